@@ -1,0 +1,254 @@
+"""Tests of ci/build_and_test.py, run as CI runs it (a subprocess) against throwaway trees under tmp_path."""
+
+import os
+import subprocess
+import sys
+import textwrap
+import time
+import xml.etree.ElementTree as ET
+from pathlib import Path
+
+import pytest
+
+
+SCRIPT = Path(__file__).resolve().parent.parent / "build_and_test.py"
+
+PASSING = "def test_one():\n    assert 1 + 1 == 2\n"
+
+
+def make_component(root: Path, rel: str, files: dict[str, str] | None = None) -> Path:
+    folder = root / rel
+    for name, text in (files or {"tests/test_x.py": PASSING}).items():
+        (folder / name).parent.mkdir(parents=True, exist_ok=True)
+        (folder / name).write_text(textwrap.dedent(text))
+    return folder
+
+
+def run_ci(root: Path, *args: str, timeout: float = 120) -> subprocess.CompletedProcess:
+    return subprocess.run(
+        [sys.executable, str(SCRIPT), "--root", str(root), "--no-install", *args],
+        capture_output=True,
+        text=True,
+        timeout=timeout,
+    )
+
+
+def last_line(proc: subprocess.CompletedProcess) -> str:
+    return proc.stdout.rstrip("\n").splitlines()[-1]
+
+
+def listed(proc: subprocess.CompletedProcess) -> list[str]:
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    return [line.split("\t")[0] for line in proc.stdout.splitlines()]
+
+
+def test_discovery_finds_folders_with_tests_and_ci(tmp_path):
+    make_component(tmp_path, "models/alpha")  # tests/ folder
+    make_component(tmp_path, "recipes/beta_recipe", {"test_beta.py": PASSING})  # flat test file
+    make_component(tmp_path, "models/no_tests", {"modeling.py": "X = 1\n"})
+    make_component(tmp_path, "ci", {"tests/test_ci.py": PASSING})
+    assert listed(run_ci(tmp_path, "--list")) == ["alpha", "beta_recipe", "ci"]
+
+
+def test_duplicate_folder_names_are_named_by_path(tmp_path):
+    make_component(tmp_path, "models/esm2")
+    make_component(tmp_path, "recipes/esm2")
+    assert listed(run_ci(tmp_path, "--list")) == ["models/esm2", "recipes/esm2"]
+
+
+def test_zero_components_exits_zero(tmp_path):
+    (tmp_path / "models").mkdir()
+    proc = run_ci(tmp_path)
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    assert "No components" in proc.stdout
+    assert last_line(proc) == "0 passed, 0 failed"
+
+
+def test_components_option_selects_by_name_or_path(tmp_path):
+    for name in ("a", "b", "c"):
+        make_component(tmp_path, f"models/{name}")
+    assert listed(run_ci(tmp_path, "--list", "--components", "c,models/a")) == ["a", "c"]
+    unknown = run_ci(tmp_path, "--list", "--components", "a,nope")
+    assert unknown.returncode != 0
+    assert "nope" in unknown.stderr
+
+
+def test_summary_counts_last_line_and_junit_reports(tmp_path):
+    make_component(
+        tmp_path,
+        "models/alpha",
+        {
+            "tests/test_x.py": """
+                import pytest
+
+                def test_one():
+                    assert 2 * 3 == 6
+
+                def test_two():
+                    assert "ab".upper() == "AB"
+
+                @pytest.mark.skip(reason="not on this machine")
+                def test_three():
+                    raise AssertionError
+            """
+        },
+    )
+    make_component(tmp_path, "recipes/beta")
+    proc = run_ci(tmp_path)
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    out = proc.stdout
+    # A header per component and pytest's own progress lines are streamed before the summary.
+    assert out.index("alpha (models/alpha") < out.index("test_x.py::test_one PASSED") < out.index("Summary")
+    table = {line.split()[0]: line.split() for line in out.split("Summary")[1].splitlines() if line.strip()}
+    assert table["component"] == ["component", "passed", "failed", "skipped", "seconds", "status"]
+    assert table["alpha"][1:4] == ["2", "0", "1"] and table["alpha"][5] == "PASS"
+    assert table["beta"][1:4] == ["1", "0", "0"]
+    assert last_line(proc) == "3 passed, 0 failed, 1 skipped"
+
+    for name, tests in (("alpha", 3), ("beta", 1)):
+        suite = ET.parse(tmp_path / "ci" / "reports" / f"{name}.xml").getroot().find("testsuite")
+        assert suite is not None and int(suite.get("tests")) == tests
+
+
+def test_failing_test_fails_the_run(tmp_path):
+    make_component(
+        tmp_path,
+        "models/alpha",
+        {"tests/test_x.py": PASSING + "\ndef test_bad():\n    assert [1, 2] == [2, 1]\n"},
+    )
+    proc = run_ci(tmp_path)
+    assert proc.returncode == 1
+    assert "FAIL" in proc.stdout.split("Summary")[1]
+    assert last_line(proc) == "1 passed, 1 failed"
+
+
+def test_collection_error_fails_the_run(tmp_path):
+    make_component(tmp_path, "models/ok")
+    make_component(tmp_path, "models/broken", {"tests/test_x.py": "import module_that_does_not_exist\n" + PASSING})
+    proc = run_ci(tmp_path)
+    assert proc.returncode == 1
+    summary = proc.stdout.split("Summary")[1]
+    assert "ERROR (pytest exit 2)" in summary
+    assert last_line(proc) == "1 passed, 1 failed"
+
+
+def test_test_files_without_tests_fail_but_a_bare_tests_folder_does_not(tmp_path):
+    make_component(tmp_path, "models/empty_folder", {"tests/README.md": "tests come later\n"})
+    assert run_ci(tmp_path).returncode == 0
+    make_component(tmp_path, "models/no_tests_inside", {"tests/test_x.py": "VALUE = 1\n"})
+    proc = run_ci(tmp_path)
+    assert proc.returncode == 1
+    assert "no tests collected" in proc.stdout.split("Summary")[1]
+
+
+def test_all_skipped_component_passes(tmp_path):
+    make_component(
+        tmp_path,
+        "recipes/gpu_only",
+        {"tests/test_x.py": "import pytest\n\n@pytest.mark.skip(reason='no GPU')\ndef test_gpu():\n    pass\n"},
+    )
+    proc = run_ci(tmp_path)
+    assert proc.returncode == 0, proc.stdout
+    assert last_line(proc) == "0 passed, 0 failed, 1 skipped"
+
+
+def test_marker_expression_is_passed_to_pytest(tmp_path):
+    tests = """
+        import pytest
+
+        @pytest.mark.slow
+        def test_slow():
+            pass
+
+        def test_fast():
+            pass
+    """
+    make_component(tmp_path, "models/alpha", {"tests/test_x.py": tests, "pytest.ini": "[pytest]\nmarkers = slow\n"})
+    assert last_line(run_ci(tmp_path, "-m", "not slow")) == "1 passed, 0 failed"
+    # Deselecting every test with -m is not an error.
+    proc = run_ci(tmp_path, "-m", "slow and not slow")
+    assert proc.returncode == 0, proc.stdout
+    assert last_line(proc) == "0 passed, 0 failed"
+
+
+def test_same_module_names_in_two_recipes_do_not_collide(tmp_path):
+    for name in ("one", "two"):
+        make_component(
+            tmp_path,
+            f"recipes/{name}",
+            {
+                "collator.py": f"NAME = {name!r}\n",
+                "tests/test_collator.py": f"from collator import NAME\n\ndef test_name():\n    assert NAME == {name!r}\n",
+            },
+        )
+    proc = run_ci(tmp_path)
+    assert proc.returncode == 0, proc.stdout
+    assert last_line(proc) == "2 passed, 0 failed"
+
+
+def test_timeout_kills_the_component_and_fails(tmp_path):
+    pid_file = tmp_path / "pid"
+    make_component(
+        tmp_path,
+        "models/sleepy",
+        {
+            "tests/test_x.py": f"""
+                import os
+                import time
+
+                def test_sleeps():
+                    with open({str(pid_file)!r}, "w") as fh:
+                        fh.write(str(os.getpid()))
+                    time.sleep(120)
+            """
+        },
+    )
+    make_component(tmp_path, "models/zippy")
+    start = time.monotonic()
+    proc = run_ci(tmp_path, "--timeout", "3", timeout=60)
+    assert time.monotonic() - start < 30
+    assert proc.returncode == 1
+    summary = proc.stdout.split("Summary")[1]
+    assert "TIMEOUT" in summary
+    assert last_line(proc) == "1 passed, 1 failed"  # zippy still ran after sleepy was stopped
+    with pytest.raises(ProcessLookupError):
+        os.kill(int(pid_file.read_text()), 0)
+
+
+def _git(root: Path, *args: str) -> None:
+    env = dict(os.environ, GIT_AUTHOR_NAME="ci", GIT_AUTHOR_EMAIL="ci@example.com")
+    env |= {"GIT_COMMITTER_NAME": "ci", "GIT_COMMITTER_EMAIL": "ci@example.com"}
+    subprocess.run(["git", *args], cwd=root, env=env, check=True, capture_output=True)
+
+
+def test_changed_only_selects_components_changed_since_base(tmp_path):
+    for rel in ("models/a", "models/b", "recipes/c"):
+        make_component(tmp_path, rel)
+    make_component(tmp_path, "ci", {"tests/test_ci.py": PASSING})
+    (tmp_path / "docs").mkdir()
+    (tmp_path / "docs" / "index.md").write_text("# Docs\n")
+    _git(tmp_path, "init", "-q", "-b", "main")
+    _git(tmp_path, "add", ".")
+    _git(tmp_path, "commit", "-q", "-m", "start")
+    _git(tmp_path, "tag", "base")
+
+    def changed(*extra: str) -> list[str]:
+        return listed(run_ci(tmp_path, "--list", "--changed-only", *extra))
+
+    assert changed("--base", "base") == []
+    (tmp_path / "docs" / "index.md").write_text("# Docs, edited\n")
+    (tmp_path / "models" / "b" / "modeling.py").write_text("X = 2\n")  # untracked file
+    assert changed("--base", "base") == ["b"]
+
+    _git(tmp_path, "add", ".")
+    _git(tmp_path, "commit", "-q", "-m", "edit b")
+    (tmp_path / "recipes" / "c" / "tests" / "test_x.py").write_text(PASSING + "\n")  # uncommitted edit
+    assert changed("--base", "base") == ["b", "c"]
+    assert changed() == ["b", "c"]  # default base: HEAD~1, as there is no origin/main
+    assert changed("--base", "base", "--components", "c,a") == ["c"]
+
+    (tmp_path / "ci" / "tool.py").write_text("Y = 1\n")  # the tooling changed: test everything
+    assert changed("--base", "base") == ["a", "b", "c", "ci"]
+
+    bad = run_ci(tmp_path, "--list", "--changed-only", "--base", "no-such-ref")
+    assert bad.returncode != 0
