@@ -75,7 +75,11 @@ def _load_exactly(model: torch.nn.Module, state: dict[str, torch.Tensor], source
             f"cannot load {source}: "
             + "; ".join(
                 f"{label} ({len(keys)}): {keys[:5]}{' ...' if len(keys) > 5 else ''}"
-                for label, keys in (("missing keys", missing), ("unexpected keys", unexpected), ("shape mismatch", mismatched))
+                for label, keys in (
+                    ("missing keys", missing),
+                    ("unexpected keys", unexpected),
+                    ("shape mismatch", mismatched),
+                )
                 if keys
             )
         )

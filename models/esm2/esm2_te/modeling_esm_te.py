@@ -30,9 +30,9 @@ from transformers.modeling_outputs import BaseModelOutput, MaskedLMOutput, Token
 
 
 try:  # package import (models/esm2, exported checkpoints)
-    from . import torch_layers
+    from .torch_layers import TransformerLayer as TorchTransformerLayer
 except ImportError:  # flat copy inside a recipe folder
-    import torch_layers
+    from torch_layers import TransformerLayer as TorchTransformerLayer
 
 try:
     import transformer_engine.pytorch as te
@@ -89,7 +89,9 @@ class NVEsmConfig(EsmConfig):
         if self.backend not in BACKENDS:
             problems.append(f"backend must be one of {BACKENDS}, got {self.backend!r}")
         if self.position_embedding_type != "rotary":
-            problems.append(f"only position_embedding_type='rotary' (ESM-2) is supported, got {self.position_embedding_type!r}")
+            problems.append(
+                f"only position_embedding_type='rotary' (ESM-2) is supported, got {self.position_embedding_type!r}"
+            )
         if self.emb_layer_norm_before:
             problems.append("emb_layer_norm_before=True (ESM-1b) is not supported")
         if self.is_decoder or self.add_cross_attention:
@@ -255,7 +257,9 @@ class NVEsmRotaryEmbedding(nn.Module):
 class NVEsmEmbeddings(nn.Module):
     def __init__(self, config: NVEsmConfig):
         super().__init__()
-        self.word_embeddings = nn.Embedding(config.padded_vocab_size, config.hidden_size, padding_idx=config.pad_token_id)
+        self.word_embeddings = nn.Embedding(
+            config.padded_vocab_size, config.hidden_size, padding_idx=config.pad_token_id
+        )
         self.token_dropout = config.token_dropout
         self.mask_token_id = config.mask_token_id
 
@@ -283,7 +287,7 @@ class NVEsmEncoder(nn.Module):
     def __init__(self, config: NVEsmConfig, backend: str):
         super().__init__()
         self.backend = backend
-        layers_module = te if backend == "te" else torch_layers
+        layer_class = te.TransformerLayer if backend == "te" else TorchTransformerLayer
         head_dim = config.hidden_size // config.num_attention_heads
         std = config.initializer_range
 
@@ -294,7 +298,7 @@ class NVEsmEncoder(nn.Module):
         if backend == "te":  # TE allocates on CUDA unless told otherwise; honour a meta-device context
             device_kwargs["device"] = "meta" if torch.empty(0).device.type == "meta" else "cuda"
         self.layers = nn.ModuleList(
-            layers_module.TransformerLayer(
+            layer_class(
                 hidden_size=config.hidden_size,
                 ffn_hidden_size=config.intermediate_size,
                 num_attention_heads=config.num_attention_heads,
@@ -327,7 +331,7 @@ def _is_backend_layer(module: nn.Module) -> bool:
     origin = type(module).__module__
     return (
         hasattr(module, "reset_parameters")
-        and (origin.startswith("transformer_engine") or origin == torch_layers.__name__)
+        and (origin.startswith("transformer_engine") or origin == TorchTransformerLayer.__module__)
         and any(True for _ in module.parameters(recurse=False))
     )
 

@@ -165,7 +165,9 @@ class LayerNormLinear(_ExtraStateMixin, nn.Module):
         self.init_method = init_method or _default_init
         kwargs = {"dtype": params_dtype, "device": device}
         self.layer_norm_weight = nn.Parameter(torch.empty(in_features, **kwargs))
-        self.layer_norm_bias = nn.Parameter(torch.empty(in_features, **kwargs)) if normalization == "LayerNorm" else None
+        self.layer_norm_bias = (
+            nn.Parameter(torch.empty(in_features, **kwargs)) if normalization == "LayerNorm" else None
+        )
         self.weight = nn.Parameter(torch.empty(out_features, in_features, **kwargs))
         self.bias = nn.Parameter(torch.empty(out_features, **kwargs)) if bias else None
         if self.weight.device.type != "meta":
@@ -210,7 +212,9 @@ class LayerNormMLP(_ExtraStateMixin, nn.Module):
         fc1_out = 2 * ffn_hidden_size if activation in ("swiglu", "geglu") else ffn_hidden_size
         kwargs = {"dtype": params_dtype, "device": device}
         self.layer_norm_weight = nn.Parameter(torch.empty(hidden_size, **kwargs))
-        self.layer_norm_bias = nn.Parameter(torch.empty(hidden_size, **kwargs)) if normalization == "LayerNorm" else None
+        self.layer_norm_bias = (
+            nn.Parameter(torch.empty(hidden_size, **kwargs)) if normalization == "LayerNorm" else None
+        )
         self.fc1_weight = nn.Parameter(torch.empty(fc1_out, hidden_size, **kwargs))
         self.fc1_bias = nn.Parameter(torch.empty(fc1_out, **kwargs)) if bias else None
         self.fc2_weight = nn.Parameter(torch.empty(hidden_size, ffn_hidden_size, **kwargs))
@@ -383,7 +387,12 @@ class MultiheadAttention(nn.Module):
         common = {"params_dtype": params_dtype, "device": device, "bias": bias}
         qkv_size = (self.num_heads + 2 * self.num_gqa_groups) * self.head_dim
         self.layernorm_qkv = LayerNormLinear(
-            hidden_size, qkv_size, eps=layernorm_epsilon, normalization=normalization, init_method=init_method, **common
+            hidden_size,
+            qkv_size,
+            eps=layernorm_epsilon,
+            normalization=normalization,
+            init_method=init_method,
+            **common,
         )
         self.core_attention = DotProductAttention(
             num_attention_heads,
@@ -393,9 +402,7 @@ class MultiheadAttention(nn.Module):
             qkv_format=qkv_format,
             attn_mask_type=attn_mask_type,
         )
-        self.proj = Linear(
-            self.num_heads * self.head_dim, hidden_size, init_method=output_layer_init_method, **common
-        )
+        self.proj = Linear(self.num_heads * self.head_dim, hidden_size, init_method=output_layer_init_method, **common)
 
     def _split_qkv(self, mixed: torch.Tensor):
         per_group = self.num_heads // self.num_gqa_groups
@@ -457,7 +464,9 @@ class TransformerLayer(nn.Module):
     ):
         super().__init__()
         if attn_input_format not in ("bshd", "thd"):
-            raise ValueError(f"the torch backend supports attn_input_format 'bshd' and 'thd', not {attn_input_format!r}")
+            raise ValueError(
+                f"the torch backend supports attn_input_format 'bshd' and 'thd', not {attn_input_format!r}"
+            )
         common = {"params_dtype": params_dtype, "device": device, "bias": bias, "normalization": normalization}
         self.hidden_dropout = hidden_dropout
         self.self_attention = MultiheadAttention(

@@ -1,0 +1,40 @@
+"""Meta-device construction + FSDP2 sharding + init_empty_weights(), the way the recipes build big models."""
+
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+
+SCRIPT = Path(__file__).parent / "scripts" / "fsdp2_meta_init.py"
+COMPONENT_DIR = Path(__file__).resolve().parents[1]
+
+
+def _torchrun(nproc: int, backend: str) -> subprocess.CompletedProcess:
+    env = {**os.environ, "PYTHONPATH": f"{COMPONENT_DIR}{os.pathsep}{os.environ.get('PYTHONPATH', '')}"}
+    command = [
+        sys.executable,
+        "-m",
+        "torch.distributed.run",
+        "--standalone",
+        f"--nproc_per_node={nproc}",
+        str(SCRIPT),
+        backend,
+    ]
+    return subprocess.run(command, capture_output=True, text=True, env=env, timeout=300)
+
+
+def test_sharded_meta_init_on_cpu_two_processes():
+    result = _torchrun(2, "torch")
+    assert result.returncode == 0, result.stderr[-3000:]
+    assert "STATS-OK" in result.stdout
+
+
+@pytest.mark.requires_te
+@pytest.mark.requires_multi_gpu
+def test_sharded_meta_init_with_te_two_gpus():
+    result = _torchrun(2, "te")
+    assert result.returncode == 0, result.stderr[-3000:]
+    assert "STATS-OK" in result.stdout
