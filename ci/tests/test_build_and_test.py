@@ -24,12 +24,15 @@ def make_component(root: Path, rel: str, files: dict[str, str] | None = None) ->
     return folder
 
 
-def run_ci(root: Path, *args: str, timeout: float = 120) -> subprocess.CompletedProcess:
+def run_ci(
+    root: Path, *args: str, timeout: float = 120, install: bool = False, env=None
+) -> subprocess.CompletedProcess:
     return subprocess.run(
-        [sys.executable, str(SCRIPT), "--root", str(root), "--no-install", *args],
+        [sys.executable, str(SCRIPT), "--root", str(root), *([] if install else ["--no-install"]), *args],
         capture_output=True,
         text=True,
         timeout=timeout,
+        env=env,
     )
 
 
@@ -252,3 +255,42 @@ def test_changed_only_selects_components_changed_since_base(tmp_path):
 
     bad = run_ci(tmp_path, "--list", "--changed-only", "--base", "no-such-ref")
     assert bad.returncode != 0
+
+
+# A stand-in docker CLI: records its calls and, for `run`, writes the JUnit report pytest would have written.
+FAKE_DOCKER = """#!{python}
+import pathlib, sys
+args = sys.argv[1:]
+with open({log!r}, "a") as fh:
+    fh.write(" ".join(args) + "\\n")
+if args[0] == "run":
+    host = next(a.split(":")[0] for a in args if a.endswith(":/ci-reports"))
+    name = next(a.split("/")[-1] for a in args if a.startswith("--junitxml="))
+    suite = '<testsuite name="pytest" tests="3" failures="0" errors="0" skipped="1"/>'
+    pathlib.Path(host, name).write_text("<testsuites>" + suite + "</testsuites>")
+"""
+
+
+def test_docker_mode_builds_and_runs_each_component(tmp_path):
+    log = tmp_path / "docker.log"
+    bin_dir = tmp_path / "bin"
+    bin_dir.mkdir()
+    (bin_dir / "docker").write_text(FAKE_DOCKER.format(python=sys.executable, log=str(log)))
+    (bin_dir / "docker").chmod(0o755)
+    make_component(
+        tmp_path / "repo", "recipes/Esm2_Fsdp", {"Dockerfile": "FROM scratch\n", "tests/test_x.py": PASSING}
+    )
+    env = dict(os.environ, PATH=f"{bin_dir}{os.pathsep}{os.environ['PATH']}")
+
+    proc = run_ci(tmp_path / "repo", install=True, env=env)  # auto mode: `docker info` answers
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    assert last_line(proc) == "2 passed, 0 failed, 1 skipped"
+    calls = log.read_text().splitlines()
+    assert calls[0] == "info"
+    assert calls[1] == "build -t esm2_fsdp ."
+    assert calls[2].startswith("run --rm --gpus all ") and " esm2_fsdp pytest -v . " in calls[2]
+
+    # A docker CLI without an engine (as on CPU CI machines) is not Docker: --docker refuses to run.
+    (bin_dir / "docker").write_text("#!/bin/sh\nexit 1\n")
+    down = run_ci(tmp_path / "repo", "--docker", install=True, env=env)
+    assert down.returncode == 2 and "no Docker engine" in down.stderr
