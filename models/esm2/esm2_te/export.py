@@ -49,8 +49,9 @@ batch = tokenizer(["MKTAYIAKQRQISFVKSHFSRQ"], return_tensors="pt")
 logits = model(**batch).logits
 ```
 
-`config.backend` is `auto`: TransformerEngine on a CUDA GPU when it is installed, pure PyTorch otherwise. Both give
-the same results within floating-point precision. Packed (THD) inputs are accepted through `cu_seq_lens_q`,
+`config.backend` is `auto`: TransformerEngine on a CUDA GPU when it is installed, pure PyTorch otherwise (force one
+with `from_pretrained(..., backend="torch")` or `backend="te"`). Both give the same results within floating-point
+precision. Packed (THD) inputs are accepted through `cu_seq_lens_q`,
 `cu_seq_lens_k`, `max_length_q` and `max_length_k`.
 """
 
@@ -74,10 +75,16 @@ def save_nv_checkpoint(
 
     staging = Path(tempfile.mkdtemp(prefix=f".{output_dir.name}.", dir=output_dir.parent))
     try:
-        model.config.auto_map = dict(AUTO_MAP)
-        model.config.architectures = [type(model).__name__]
-        model.config.backend = "auto"  # let whoever loads it use TE where it can run
-        model.save_pretrained(staging, state_dict=state, safe_serialization=True)
+        # Let whoever loads it use TE where it can run; restore the caller's config afterwards.
+        exported = {"auto_map": dict(AUTO_MAP), "architectures": [type(model).__name__], "backend": "auto"}
+        previous = {key: getattr(model.config, key, None) for key in exported}
+        try:
+            for key, value in exported.items():
+                setattr(model.config, key, value)
+            model.save_pretrained(staging, state_dict=state, safe_serialization=True)
+        finally:
+            for key, value in previous.items():
+                setattr(model.config, key, value)
         AutoTokenizer.from_pretrained(tokenizer_dir).save_pretrained(staging)
         modeling_dir = Path(__import__(type(model).__module__, fromlist=["_"]).__file__).parent
         for name in MODELING_FILES:

@@ -56,7 +56,8 @@ def test_export_reloads_through_auto_classes_offline(hf_tiny, tmp_path, monkeypa
     assert {"README.md", "LICENSE"} <= names
     assert not any(name.startswith(".") for name in (p.name for p in tmp_path.iterdir()))  # no staging leftovers
 
-    model = AutoModelForMaskedLM.from_pretrained(out, trust_remote_code=True).eval()
+    # backend="torch" overrides the exported "auto", so this CPU comparison holds on GPU machines too.
+    model = AutoModelForMaskedLM.from_pretrained(out, trust_remote_code=True, backend="torch").eval()
     assert type(model).__name__ == "NVEsmForMaskedLM" and model.backend == "torch"
     assert model.config.auto_map["AutoModelForMaskedLM"] == "modeling_esm_te.NVEsmForMaskedLM"
     tokenizer = AutoTokenizer.from_pretrained(out, trust_remote_code=True)
@@ -67,7 +68,7 @@ def test_export_reloads_through_auto_classes_offline(hf_tiny, tmp_path, monkeypa
     real = batch["attention_mask"].bool()
     assert (actual[real] - expected[real]).abs().max() <= 1e-4
 
-    encoder = AutoModel.from_pretrained(out, trust_remote_code=True).eval()
+    encoder = AutoModel.from_pretrained(out, trust_remote_code=True, backend="torch").eval()
     with torch.no_grad():
         hidden = encoder(**batch).last_hidden_state
         expected_hidden = hf_tiny.esm(**batch).last_hidden_state
@@ -78,7 +79,7 @@ def test_export_loads_into_the_stock_hugging_face_model_after_conversion(hf_tiny
     """Exported weights converted back give a stock EsmForMaskedLM equal to the original."""
     hf_tiny.save_pretrained(tmp_path / "hf")
     out = export_hf_checkpoint(tmp_path / "hf", tmp_path / "exported")
-    reloaded = AutoModelForMaskedLM.from_pretrained(out, trust_remote_code=True)
+    reloaded = AutoModelForMaskedLM.from_pretrained(out, trust_remote_code=True, backend="torch")
     stock = convert_esm_te_to_hf(reloaded).eval()
     input_ids, attention_mask, _ = make_batch([12, 8])
     with torch.no_grad():

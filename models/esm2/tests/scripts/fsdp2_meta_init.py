@@ -12,9 +12,10 @@ from esm2_te.modeling_esm_te import NVEsmConfig, NVEsmForMaskedLM
 
 
 def main(backend: str) -> None:
-    dist.init_process_group()
-    device = torch.device("cuda", dist.get_rank()) if torch.cuda.is_available() else torch.device("cpu")
-    if device.type == "cuda":
+    on_gpu = backend == "te"  # the torch backend runs on CPU processes, even on a GPU machine
+    dist.init_process_group(backend="nccl" if on_gpu else "gloo")
+    device = torch.device("cuda", dist.get_rank()) if on_gpu else torch.device("cpu")
+    if on_gpu:
         torch.cuda.set_device(device)
     config = NVEsmConfig(
         num_hidden_layers=2, hidden_size=256, num_attention_heads=4, intermediate_size=512, backend=backend
