@@ -140,6 +140,17 @@ class PackedBatch:
     padded_shape: tuple[int, int] | None = None  # (batch, seq) when the input was BSHD
     token_index: torch.Tensor | None = None  # flat positions of real tokens in the BSHD input
     num_real_tokens: int | None = None  # tokens before alignment padding was appended
+    # Context parallelism: the full batch's padded boundaries ([0, ...] in global token counts); the local tokens
+    # are this rank's share (1 / cp_size of every padded sequence).
+    cu_seqlens_padded: torch.Tensor | None = None
+    cp_group: object | None = None
+
+    def local_segment_lengths(self) -> torch.Tensor:
+        """Tokens of each sequence held here (all of it, or this rank's share under context parallelism)."""
+        if self.cu_seqlens_padded is None:
+            return self.cu_seqlens[1:] - self.cu_seqlens[:-1]
+        cp_size = torch.distributed.get_world_size(self.cp_group)
+        return (self.cu_seqlens_padded[1:] - self.cu_seqlens_padded[:-1]) // cp_size
 
     def unpack(self, packed: torch.Tensor) -> torch.Tensor:
         """[tokens, ...] -> the caller's layout: [batch, seq, ...] for BSHD (zeros at padding), [1, tokens, ...] for THD."""
@@ -181,8 +192,16 @@ def pack_inputs(
     max_length_q: int | None,
     pad_token_id: int,
     align_to: int = 1,
+    cu_seq_lens_q_padded: torch.Tensor | None = None,
+    cp_group=None,
 ) -> PackedBatch:
     """Validate BSHD or THD inputs and return them packed (see ``PackedBatch``)."""
+    if cp_group is not None:
+        return _pack_context_parallel(
+            input_ids, attention_mask, cu_seq_lens_q, cu_seq_lens_q_padded, max_length_q, cp_group
+        )
+    if cu_seq_lens_q_padded is not None:
+        raise ValueError("cu_seq_lens_q_padded is for context parallelism: call set_context_parallel_group() first")
     if cu_seq_lens_q is None:
         if cu_seq_lens_k is not None:
             raise ValueError("cu_seq_lens_k was given without cu_seq_lens_q")
@@ -233,6 +252,33 @@ def pack_inputs(
     return packed
 
 
+def _pack_context_parallel(input_ids, attention_mask, cu_seq_lens_q, cu_seq_lens_q_padded, max_length_q, cp_group):
+    """THD input already split for context parallelism: local tokens, global real and padded boundaries."""
+    if cu_seq_lens_q is None or cu_seq_lens_q_padded is None or attention_mask is not None:
+        raise ValueError(
+            "context parallelism takes THD input: input_ids [1, local tokens], cu_seq_lens_q (real lengths) and "
+            "cu_seq_lens_q_padded (lengths padded to a multiple of 2 * cp_size), no attention_mask"
+        )
+    tokens = input_ids.reshape(-1)
+    cp_size = torch.distributed.get_world_size(cp_group)
+    _check(
+        cu_seq_lens_q_padded[-1] == tokens.numel() * cp_size,
+        f"cu_seq_lens_q_padded must end at local tokens x cp_size ({tokens.numel()} x {cp_size})",
+    )
+    _check(
+        (cu_seq_lens_q_padded % (2 * cp_size) == 0).all(), "padded sequence lengths must be multiples of 2 * cp_size"
+    )
+    if max_length_q is None:
+        max_length_q = int((cu_seq_lens_q_padded[1:] - cu_seq_lens_q_padded[:-1]).max())
+    return PackedBatch(
+        tokens,
+        cu_seq_lens_q.to(torch.int32),
+        int(max_length_q),
+        cu_seqlens_padded=cu_seq_lens_q_padded.to(torch.int32),
+        cp_group=cp_group,
+    )
+
+
 class NVEsmRotaryEmbedding(nn.Module):
     """Rotary frequencies as TE expects them: [seq, 1, 1, head_dim] in float32 (ESM's cat(freqs, freqs) layout)."""
 
@@ -269,16 +315,22 @@ class NVEsmEmbeddings(nn.Module):
         if not self.token_dropout:
             return embeddings
         # Masked tokens are zeroed and every sequence is rescaled by (1 - train mask ratio) / (1 - its own ratio),
-        # as in ESM; the ratio is per sequence, so it is computed per packed segment.
+        # as in ESM; the ratio is per sequence, so it is computed per packed segment (and, under context
+        # parallelism, summed over the ranks that each hold a share of the sequence).
         is_mask = packed.input_ids == self.mask_token_id
         embeddings = embeddings.masked_fill(is_mask.unsqueeze(-1), 0.0)
-        lengths = packed.cu_seqlens[1:] - packed.cu_seqlens[:-1]
+        local_lengths = packed.local_segment_lengths()
         sequence_of_token = torch.repeat_interleave(
-            torch.arange(lengths.numel(), device=lengths.device), lengths, output_size=packed.input_ids.numel()
+            torch.arange(local_lengths.numel(), device=local_lengths.device),
+            local_lengths,
+            output_size=packed.input_ids.numel(),
         )
-        masked_per_sequence = torch.zeros(lengths.numel(), device=embeddings.device).index_add_(
+        masked_per_sequence = torch.zeros(local_lengths.numel(), device=embeddings.device).index_add_(
             0, sequence_of_token, is_mask.float()
         )
+        if packed.cp_group is not None:
+            torch.distributed.all_reduce(masked_per_sequence, group=packed.cp_group)
+        lengths = packed.cu_seqlens[1:] - packed.cu_seqlens[:-1]
         observed_ratio = masked_per_sequence / lengths.clamp(min=1)
         scale = (1 - _MASK_RATIO_TRAIN) / (1 - observed_ratio)
         return (embeddings * scale[sequence_of_token].unsqueeze(-1)).to(embeddings.dtype)
@@ -402,6 +454,7 @@ class NVEsmModel(NVEsmPreTrainedModel):
         self.encoder = NVEsmEncoder(config, self.backend)
         self.contact_head = NVEsmContactHead(config)
         self.layer_precision = list(config.layer_precision or [None] * config.num_hidden_layers)
+        self.cp_group = None
         self._recipes = {"fp8": fp8_recipe, "fp4": fp4_recipe}
         for precision in set(self.layer_precision) - {None}:
             if self._recipes[precision] is None:
@@ -422,6 +475,7 @@ class NVEsmModel(NVEsmPreTrainedModel):
             raise RuntimeError("context parallelism needs the TransformerEngine backend")
         for layer in self.encoder.layers:
             layer.set_context_parallel_group(cp_group, cp_global_ranks, cp_stream, cp_comm_type)
+        self.cp_group = cp_group
 
     def _precision_context(self, layer_index: int):
         precision = self.layer_precision[layer_index]
@@ -449,13 +503,29 @@ class NVEsmModel(NVEsmPreTrainedModel):
                     cu_seqlens_kv=packed.cu_seqlens,
                     max_seqlen_q=packed.max_seqlen,
                     max_seqlen_kv=packed.max_seqlen,
+                    **(
+                        {}
+                        if packed.cu_seqlens_padded is None
+                        else {
+                            "cu_seqlens_q_padded": packed.cu_seqlens_padded,
+                            "cu_seqlens_kv_padded": packed.cu_seqlens_padded,
+                        }
+                    ),
                 )
         hidden = self.encoder.emb_layer_norm_after(hidden)
         if output_hidden_states:
             all_hidden.append(hidden)
         return hidden, (tuple(all_hidden) if output_hidden_states else None)
 
-    def pack(self, input_ids, attention_mask=None, cu_seq_lens_q=None, cu_seq_lens_k=None, max_length_q=None):
+    def pack(
+        self,
+        input_ids,
+        attention_mask=None,
+        cu_seq_lens_q=None,
+        cu_seq_lens_k=None,
+        max_length_q=None,
+        cu_seq_lens_q_padded=None,
+    ) -> PackedBatch:
         return pack_inputs(
             input_ids,
             attention_mask,
@@ -464,6 +534,8 @@ class NVEsmModel(NVEsmPreTrainedModel):
             max_length_q,
             self.config.pad_token_id,
             self._alignment(),
+            cu_seq_lens_q_padded,
+            self.cp_group,
         )
 
     def forward(
@@ -474,11 +546,13 @@ class NVEsmModel(NVEsmPreTrainedModel):
         cu_seq_lens_k: torch.Tensor | None = None,
         max_length_q: int | None = None,
         max_length_k: int | None = None,
+        cu_seq_lens_q_padded: torch.Tensor | None = None,
+        cu_seq_lens_k_padded: torch.Tensor | None = None,
         output_hidden_states: bool | None = None,
         return_dict: bool | None = None,
         **kwargs,
     ) -> BaseModelOutput:
-        packed = self.pack(input_ids, attention_mask, cu_seq_lens_q, cu_seq_lens_k, max_length_q)
+        packed = self.pack(input_ids, attention_mask, cu_seq_lens_q, cu_seq_lens_k, max_length_q, cu_seq_lens_q_padded)
         hidden, all_hidden = self.forward_packed(packed, bool(output_hidden_states))
         return BaseModelOutput(
             last_hidden_state=packed.unpack(hidden),
@@ -503,10 +577,22 @@ class NVEsmLMHead(nn.Module):
         return (self.decoder(x) + self.bias)[..., : self.vocab_size]
 
 
-def _masked_lm_loss(logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
-    """Mean cross-entropy over labelled tokens; 0 (not NaN) for a batch without any."""
-    losses = F.cross_entropy(logits.float(), labels, ignore_index=-100, reduction="sum")
-    return losses / (labels != -100).sum().clamp(min=1)
+def _masked_lm_loss(logits: torch.Tensor, labels: torch.Tensor, cp_group=None) -> torch.Tensor:
+    """Mean cross-entropy over labelled tokens; 0 (not NaN) for a batch without any.
+
+    Under context parallelism each rank holds part of the labels. The value returned is the mean over the whole
+    CP group; the gradient is scaled so that the data-parallel gradient average over (dp x cp) ranks equals the
+    average over dp of each group's mean.
+    """
+    loss_sum = F.cross_entropy(logits.float(), labels, ignore_index=-100, reduction="sum")
+    count = (labels != -100).sum()
+    if cp_group is None:
+        return loss_sum / count.clamp(min=1)
+    totals = torch.stack([loss_sum.detach(), count.to(loss_sum.dtype)])
+    torch.distributed.all_reduce(totals, group=cp_group)
+    cp_size = torch.distributed.get_world_size(cp_group)
+    local = loss_sum * cp_size / totals[1].clamp(min=1)
+    return local - local.detach() + totals[0] / totals[1].clamp(min=1)
 
 
 class NVEsmForMaskedLM(NVEsmPreTrainedModel):
@@ -537,14 +623,18 @@ class NVEsmForMaskedLM(NVEsmPreTrainedModel):
         cu_seq_lens_k: torch.Tensor | None = None,
         max_length_q: int | None = None,
         max_length_k: int | None = None,
+        cu_seq_lens_q_padded: torch.Tensor | None = None,
+        cu_seq_lens_k_padded: torch.Tensor | None = None,
         output_hidden_states: bool | None = None,
         return_dict: bool | None = None,
         **kwargs,
     ) -> MaskedLMOutput:
-        packed = self.esm.pack(input_ids, attention_mask, cu_seq_lens_q, cu_seq_lens_k, max_length_q)
+        packed = self.esm.pack(
+            input_ids, attention_mask, cu_seq_lens_q, cu_seq_lens_k, max_length_q, cu_seq_lens_q_padded
+        )
         hidden, all_hidden = self.esm.forward_packed(packed, bool(output_hidden_states))
         logits = self.lm_head(hidden)
-        loss = None if labels is None else _masked_lm_loss(logits, packed.pack_like(labels))
+        loss = None if labels is None else _masked_lm_loss(logits, packed.pack_like(labels), packed.cp_group)
         return MaskedLMOutput(
             loss=loss,
             logits=packed.unpack(logits),
@@ -570,14 +660,18 @@ class NVEsmForTokenClassification(NVEsmPreTrainedModel):
         cu_seq_lens_k: torch.Tensor | None = None,
         max_length_q: int | None = None,
         max_length_k: int | None = None,
+        cu_seq_lens_q_padded: torch.Tensor | None = None,
+        cu_seq_lens_k_padded: torch.Tensor | None = None,
         output_hidden_states: bool | None = None,
         return_dict: bool | None = None,
         **kwargs,
     ) -> TokenClassifierOutput:
-        packed = self.esm.pack(input_ids, attention_mask, cu_seq_lens_q, cu_seq_lens_k, max_length_q)
+        packed = self.esm.pack(
+            input_ids, attention_mask, cu_seq_lens_q, cu_seq_lens_k, max_length_q, cu_seq_lens_q_padded
+        )
         hidden, all_hidden = self.esm.forward_packed(packed, bool(output_hidden_states))
         logits = self.classifier(self.dropout(hidden))
-        loss = None if labels is None else _masked_lm_loss(logits, packed.pack_like(labels))
+        loss = None if labels is None else _masked_lm_loss(logits, packed.pack_like(labels), packed.cp_group)
         return TokenClassifierOutput(
             loss=loss,
             logits=packed.unpack(logits),
