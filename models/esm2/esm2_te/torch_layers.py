@@ -12,6 +12,12 @@ the other and the same modeling code runs on a laptop CPU or on a GPU with TE. D
 Attention accepts TE's ``bshd`` layout (``[batch, seq, hidden]`` plus a padding mask) and ``thd`` layout
 (``[tokens, hidden]`` plus ``cu_seqlens``), with the same masking: no token attends across a sequence boundary
 or to padding.
+
+Decoding with a KV cache (torch backend only; TE has its own ``InferenceParams``): pass ``inference_params``, any
+object with ``positions`` (rotary position of each new token, [batch, new_tokens]) and
+``update(layer_number, key, value) -> (all_keys, all_values)`` (BSHD in and out). The layer input is then
+BSHD whatever ``attn_input_format`` says, ``attention_mask`` is the key padding mask over all cached tokens
+([batch, 1, 1, all_tokens], True where a key must be ignored), and causal masks align to the last key.
 """
 
 import math
@@ -251,14 +257,21 @@ def _positions_in_sequence(cu_seqlens: torch.Tensor, total_tokens: int) -> torch
 
 
 def apply_rotary_pos_emb(
-    t: torch.Tensor, freqs: torch.Tensor, tensor_format: str = "bshd", cu_seqlens: torch.Tensor | None = None
+    t: torch.Tensor,
+    freqs: torch.Tensor,
+    tensor_format: str = "bshd",
+    cu_seqlens: torch.Tensor | None = None,
+    positions: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """TE's non-interleaved rotary embedding, computed in float32.
 
     ``freqs`` is [max_seq_len, 1, 1, head_dim] (as ``te.RotaryPositionEmbedding`` returns it). For ``thd``,
-    positions restart at 0 at every sequence boundary given by ``cu_seqlens``.
+    positions restart at 0 at every sequence boundary given by ``cu_seqlens``. Explicit ``positions`` (the
+    leading dimensions of ``t``: [batch, seq] or [tokens]) override both rules, e.g. for cached decoding.
     """
-    if tensor_format == "thd":
+    if positions is not None:
+        angles = freqs.reshape(freqs.shape[0], -1)[positions].unsqueeze(-2)  # [..., 1, head_dim]
+    elif tensor_format == "thd":
         positions = _positions_in_sequence(cu_seqlens, t.shape[0])
         angles = freqs[positions]  # [t, 1, 1, d] -> broadcast over heads below
         angles = angles.view(t.shape[0], 1, -1)
@@ -310,9 +323,10 @@ class DotProductAttention(_ExtraStateMixin, nn.Module):
         attention_mask: torch.Tensor | None = None,
         cu_seqlens_q: torch.Tensor | None = None,
         max_seqlen_q: int | None = None,
+        qkv_format: str | None = None,
         **_,
     ) -> torch.Tensor:
-        if self.qkv_format == "thd":
+        if (qkv_format or self.qkv_format) == "thd":
             return self._forward_thd(query, key, value, cu_seqlens_q, max_seqlen_q)
         # bshd: [b, s, h, d]; TE's padding mask is True where a key must be ignored, shape [b, 1, 1, s].
         out = self._sdpa(query, key, value, keep_mask=None if attention_mask is None else ~attention_mask)
@@ -323,7 +337,15 @@ class DotProductAttention(_ExtraStateMixin, nn.Module):
         if self.causal:
             s_q, s_k = q.shape[2], k.shape[2]
             causal = torch.ones(s_q, s_k, dtype=torch.bool, device=q.device).tril(diagonal=s_k - s_q)
-            keep_mask = causal if keep_mask is None else keep_mask & causal
+            if keep_mask is None:
+                keep_mask = causal
+            else:
+                # A query at a padding position (left padding) would see no key at all, and SDPA turns such a
+                # row into NaN, which later layers would spread through the padding keys. Let every query see
+                # its own key: this changes nothing for real tokens and keeps padding rows finite.
+                own_key = torch.zeros_like(causal)
+                own_key.diagonal(s_k - s_q).fill_(True)
+                keep_mask = (keep_mask & causal) | own_key
         out = F.scaled_dot_product_attention(
             q,
             k,
@@ -374,11 +396,13 @@ class MultiheadAttention(nn.Module):
         normalization: str = "LayerNorm",
         bias: bool = True,
         qkv_format: str = "bshd",
+        layer_number: int | None = None,
         params_dtype=None,
         device=None,
         **_,
     ):
         super().__init__()
+        self.layer_number = layer_number
         self.num_heads = num_attention_heads
         self.num_gqa_groups = num_gqa_groups or num_attention_heads
         self.head_dim = kv_channels or hidden_size // num_attention_heads
@@ -422,9 +446,16 @@ class MultiheadAttention(nn.Module):
         rotary_pos_emb: torch.Tensor | None = None,
         cu_seqlens_q: torch.Tensor | None = None,
         max_seqlen_q: int | None = None,
+        inference_params=None,
         **_,
     ) -> torch.Tensor:
         q, k, v = self._split_qkv(self.layernorm_qkv(hidden_states))
+        if inference_params is not None:  # cached decoding, BSHD (see the module docstring)
+            if rotary_pos_emb is not None:
+                q = apply_rotary_pos_emb(q, rotary_pos_emb, "bshd", positions=inference_params.positions)
+                k = apply_rotary_pos_emb(k, rotary_pos_emb, "bshd", positions=inference_params.positions)
+            k, v = inference_params.update(self.layer_number, k, v)
+            return self.proj(self.core_attention(q, k, v, attention_mask=attention_mask, qkv_format="bshd"))
         if rotary_pos_emb is not None:
             q = apply_rotary_pos_emb(q, rotary_pos_emb, self.qkv_format, cu_seqlens_q)
             k = apply_rotary_pos_emb(k, rotary_pos_emb, self.qkv_format, cu_seqlens_q)
@@ -460,6 +491,7 @@ class TransformerLayer(nn.Module):
         normalization: str = "LayerNorm",
         device=None,
         attn_input_format: str = "sbhd",
+        layer_number: int | None = None,
         **unused,
     ):
         super().__init__()
@@ -481,6 +513,7 @@ class TransformerLayer(nn.Module):
             attn_mask_type=self_attn_mask_type,
             qkv_weight_interleaved=qkv_weight_interleaved,
             qkv_format=attn_input_format,
+            layer_number=layer_number,
             **common,
         )
         self.layernorm_mlp = LayerNormMLP(
@@ -502,6 +535,7 @@ class TransformerLayer(nn.Module):
         cu_seqlens_kv: torch.Tensor | None = None,
         max_seqlen_q: int | None = None,
         max_seqlen_kv: int | None = None,
+        inference_params=None,
         **_,
     ) -> torch.Tensor:
         attention_out = self.self_attention(
@@ -510,6 +544,7 @@ class TransformerLayer(nn.Module):
             rotary_pos_emb=rotary_pos_emb,
             cu_seqlens_q=cu_seqlens_q,
             max_seqlen_q=max_seqlen_q,
+            inference_params=inference_params,
         )
         hidden_states = hidden_states + F.dropout(attention_out, self.hidden_dropout, self.training)
         mlp_out = self.layernorm_mlp(hidden_states)
