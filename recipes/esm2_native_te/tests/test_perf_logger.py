@@ -1,0 +1,91 @@
+import json
+import sys
+
+import pytest
+import torch
+from omegaconf import OmegaConf
+from perf_logger import ModelFlops, PerfLogger, batch_token_stats
+
+
+PAD = 1
+
+
+def test_bshd_counts_attention_mask():
+    batch = {
+        "input_ids": torch.tensor([[0, 5, 6, 2, PAD], [0, 7, 2, PAD, PAD]]),
+        "attention_mask": torch.tensor([[1, 1, 1, 1, 0], [1, 1, 1, 0, 0]]),
+    }
+    tokens, squared = batch_token_stats(batch, PAD)
+    assert tokens.item() == 7
+    assert squared.item() == 4**2 + 3**2
+
+
+def test_thd_excludes_the_padding_pseudo_sequence():
+    # Two sequences (4 and 3 tokens) packed, then a 3-token pad pseudo-sequence to reach a multiple of 10.
+    batch = {
+        "input_ids": torch.tensor([[0, 5, 6, 2, 0, 7, 2, PAD, PAD, PAD]]),
+        "cu_seq_lens_q": torch.tensor([0, 4, 7, 10], dtype=torch.int32),
+    }
+    tokens, squared = batch_token_stats(batch, PAD)
+    assert tokens.item() == 7
+    assert squared.item() == 4**2 + 3**2 + 3**2  # the pseudo-sequence's own attention is tiny and counted
+
+
+def test_flops_formula_by_hand():
+    model = torch.nn.Sequential(torch.nn.Embedding(10, 4), torch.nn.Linear(4, 4))  # 40 embedding, 20 other params
+    flops = ModelFlops.from_model(model, num_layers=2, hidden_size=4)
+    assert flops.non_embedding_params == 20
+    # 6 * 20 params * 100 tokens + 12 * 2 layers * 4 hidden * 500 (sum of squared lengths)
+    assert flops.flops(tokens=100, sum_squared_lengths=500) == 12000 + 48000
+
+
+def test_tied_embedding_counts_once():
+    embedding, head = torch.nn.Embedding(10, 4), torch.nn.Linear(4, 10, bias=False)
+    head.weight = embedding.weight
+    flops = ModelFlops.from_model(torch.nn.ModuleList([embedding, head]), num_layers=1, hidden_size=4)
+    assert flops.non_embedding_params == 0
+
+
+def _cfg(tmp_path, log_every=2):
+    return OmegaConf.create(
+        {
+            "output_dir": str(tmp_path),
+            "num_train_steps": 6,
+            "logger": {"log_every": log_every, "warmup_steps": 2, "peak_flops_per_gpu": 1e12},
+            "wandb": {"mode": "disabled", "project": "p", "name": "n"},
+        }
+    )
+
+
+def test_logs_every_n_steps_and_writes_summary(tmp_path, monkeypatch):
+    monkeypatch.setitem(sys.modules, "wandb", None)  # disabled W&B must not even import it
+    flops = ModelFlops(non_embedding_params=1000, num_layers=1, hidden_size=8)
+    perf = PerfLogger(_cfg(tmp_path), flops, pad_token_id=PAD, config_name="unit")
+    batch = {"input_ids": torch.ones(2, 3, dtype=torch.long), "attention_mask": torch.ones(2, 3, dtype=torch.long)}
+    for step in range(1, 7):
+        perf.count_batch(batch)
+        perf.log_step(step, torch.tensor(float(step)), torch.tensor(0.5), lr=0.1)
+    summary = perf.finish()
+
+    lines = [json.loads(line) for line in (tmp_path / "metrics.jsonl").read_text().splitlines()]
+    assert [m["step"] for m in lines] == [2, 4, 6]
+    assert [m["loss"] for m in lines] == [1.5, 3.5, 5.5]  # mean over each 2-step window
+    assert lines[0]["grad_norm"] == 0.5 and lines[0]["lr"] == 0.1
+    window = lines[-1]  # 2 steps x 6 tokens, sequences of length 3
+    assert window["tokens_per_second_per_gpu"] == pytest.approx(12 / (2 * window["step_time_s"]))
+    expected_flops = 6 * 1000 * 12 + 12 * 1 * 8 * (4 * 3**2)
+    assert window["mfu"] == pytest.approx(expected_flops / (2 * window["step_time_s"]) / 1e12)
+
+    assert json.loads((tmp_path / "summary.json").read_text()) == summary
+    assert summary["steps"] == 6 and summary["final_loss"] == 5.5 and summary["world_size"] == 1
+    assert summary["config_name"] == "unit"
+    assert summary["logged_windows_in_medians"] == 2  # the window starting at step 0 is warm-up
+    assert summary["median_tokens_per_second_per_gpu"] > 0
+
+
+def test_wandb_enabled_without_package_says_so(tmp_path, monkeypatch):
+    monkeypatch.setitem(sys.modules, "wandb", None)
+    cfg = _cfg(tmp_path)
+    cfg.wandb.mode = "offline"
+    with pytest.raises(ImportError, match="wandb.mode=offline needs the wandb package"):
+        PerfLogger(cfg, ModelFlops(1, 1, 1), pad_token_id=PAD)
