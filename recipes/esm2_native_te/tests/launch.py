@@ -9,10 +9,18 @@ from pathlib import Path
 RECIPE_DIR = Path(__file__).resolve().parent.parent
 
 
-def run_script(script: str | Path, *args: str, nproc: int | None = None, timeout: int = 300, env: dict | None = None):
+def run_script(
+    script: str | Path,
+    *args: str,
+    nproc: int | None = None,
+    timeout: int = 300,
+    env: dict | None = None,
+    expect_failure: bool = False,
+):
     """Run ``script`` from the recipe folder; ``nproc=None`` means plain ``python`` with no torchrun variables.
 
-    Raises with the process's output when it fails, so a failing test shows why.
+    Raises with the process's output when it fails (or, with ``expect_failure``, when it succeeds), so a failing
+    test shows why.
     """
     command = [sys.executable]
     if nproc is not None:
@@ -32,7 +40,7 @@ def run_script(script: str | Path, *args: str, nproc: int | None = None, timeout
     result = subprocess.run(
         command, cwd=RECIPE_DIR, env=run_env, capture_output=True, text=True, timeout=timeout, check=False
     )
-    if result.returncode != 0:
+    if (result.returncode != 0) != expect_failure:
         raise AssertionError(
             f"{' '.join(command)} exited with {result.returncode}\n"
             f"--- stdout ---\n{result.stdout[-6000:]}\n--- stderr ---\n{result.stderr[-10000:]}"

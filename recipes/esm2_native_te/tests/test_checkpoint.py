@@ -55,7 +55,8 @@ def test_pruning_never_deletes_the_newest_complete(tmp_path):
 
 @pytest.mark.parametrize(
     ("strategy", "mode", "nproc"),
-    [("ddp", "sync", 2), ("fsdp2", "sync", 1), ("fsdp2", "async", 2)],
+    # DDP's save/resume is covered end to end by test_train.py's stop-and-go run.
+    [("ddp", "sync", None), ("fsdp2", "sync", None), ("fsdp2", "async", 2)],
 )
 def test_save_then_resume_continues_identically(tmp_path, strategy, mode, nproc):
     result_file = tmp_path / "result.pt"
@@ -71,7 +72,7 @@ def test_save_then_resume_continues_identically(tmp_path, strategy, mode, nproc)
         assert events["final_dir_right_after_save"]
         assert not events["tmp_dir_right_after_save"]
     assert events["complete_after_close"]
-    assert events["rank_files"] == [f"rank{r}_state.pt" for r in range(nproc)]
+    assert events["rank_files"] == [f"rank{r}_state.pt" for r in range(nproc or 1)]
 
     assert result["resumed_step"] == 3  # the debris step_8 / step_9.tmp were passed over
     assert result["resumed_losses"] == result["losses"][3:]  # bit-identical: data order, RNG, optimizer all restored

@@ -1,0 +1,145 @@
+"""Pre-train ESM-2 with DistributedDataParallel: every GPU holds the whole model and averages gradients.
+
+    python train_ddp.py                                   # one process (CPU or one GPU), the L0 sanity config
+    torchrun --nproc_per_node=8 train_ddp.py --config-name L1_650M
+
+Reads top to bottom: set up processes, build the model, wrap it, build optimizer/scheduler/data, resume, train,
+export. Every key it reads is documented in hydra_config/defaults.yaml.
+"""
+
+import logging
+from contextlib import nullcontext
+from pathlib import Path
+
+import hydra
+import torch
+from checkpoint import Checkpointer, export_final_model, gather_full_state_dict
+from dataset import create_dataloader
+from distributed import cleanup_distributed, setup_distributed
+from modeling_esm_te import NVEsmConfig, NVEsmForMaskedLM
+from omegaconf import DictConfig, OmegaConf
+from perf_logger import ModelFlops, PerfLogger, Profiler
+from quantization import build_quantization
+from scheduler import get_linear_schedule_with_warmup
+from torch.nn.parallel import DistributedDataParallel
+from transformers import AutoTokenizer
+
+
+logger = logging.getLogger(__name__)
+RECIPE_DIR = Path(__file__).resolve().parent
+
+
+def recipe_path(path: str) -> Path:
+    """A path as given when it exists from the working directory, else relative to this recipe folder."""
+    return Path(path) if Path(path).exists() or Path(path).is_absolute() else RECIPE_DIR / path
+
+
+def load_model_config(cfg: DictConfig):
+    """config.json from ``model_tag``, this run's overrides, and the per-layer FP8/FP4 assignment.
+
+    Returns the config and the quantization plan whose recipes the model needs.
+    """
+    model_dir = recipe_path(cfg.model_tag)
+    overrides = OmegaConf.to_container(cfg.model_config_overrides)
+    unknown = sorted(set(overrides) - set(NVEsmConfig.from_pretrained(model_dir).to_dict()))
+    if unknown:
+        raise ValueError(f"model_config_overrides has keys {unknown} that {model_dir}/config.json does not have")
+    config = NVEsmConfig.from_pretrained(model_dir, **overrides)
+    fp8_config, fp4_config = OmegaConf.to_container(cfg.fp8_config), OmegaConf.to_container(cfg.fp4_config)
+    plan = build_quantization(fp8_config, fp4_config, config.num_hidden_layers)
+    config.layer_precision = plan.layer_precision
+    config.validate_nv_esm()
+    return config, plan
+
+
+def to_device(batch: dict, device: torch.device) -> dict:
+    return {k: v.to(device, non_blocking=True) if isinstance(v, torch.Tensor) else v for k, v in batch.items()}
+
+
+@hydra.main(config_path="hydra_config", config_name="L0_sanity", version_base="1.3")
+def main(cfg: DictConfig) -> None:
+    OmegaConf.to_container(cfg, resolve=True, throw_on_missing=True)  # a missing `???` value fails here, by name
+    dist_config, device = setup_distributed()
+    if not dist_config.is_main_process():
+        logging.getLogger().setLevel(logging.WARNING)
+    logger.info("Config:\n%s", OmegaConf.to_yaml(cfg))
+    torch.manual_seed(cfg.seed)
+
+    # Model: the same random init on every rank (same seed); DDP also broadcasts rank 0's weights.
+    tokenizer = AutoTokenizer.from_pretrained(recipe_path(cfg.tokenizer_path))
+    config, plan = load_model_config(cfg)
+    model = NVEsmForMaskedLM(config, fp8_recipe=plan.fp8_recipe, fp4_recipe=plan.fp4_recipe).to(device)
+    model_flops = ModelFlops.from_model(model, config.num_hidden_layers, config.hidden_size)
+    logger.info("Model: %s backend, %.1fM parameters", model.backend, sum(p.numel() for p in model.parameters()) / 1e6)
+
+    ddp_model = model
+    if dist_config.launched_by_torchrun:
+        ddp_model = DistributedDataParallel(model, device_ids=[device.index] if device.type == "cuda" else None)
+    if cfg.use_torch_compile:
+        ddp_model = torch.compile(ddp_model)
+    use_bf16 = cfg.mixed_precision.enabled and (device.type == "cuda" or cfg.mixed_precision.on_cpu)
+
+    # Optimizer, schedule, data.
+    optimizer = torch.optim.AdamW(model.parameters(), **cfg.adamw_kwargs, fused=device.type == "cuda")
+    scheduler = get_linear_schedule_with_warmup(optimizer, **cfg.lr_scheduler_kwargs)
+    dataloader = create_dataloader(
+        cfg.dataset, tokenizer, dp_rank=dist_config.rank, dp_world_size=dist_config.world_size, seed=cfg.seed
+    )
+
+    # Resume from the newest complete checkpoint (model, optimizer, schedule, data position, RNG).
+    checkpointer = Checkpointer(cfg.checkpoint.ckpt_dir, "ddp", max_checkpoints=cfg.checkpoint.max_checkpoints)
+    start_step = 0
+    if cfg.checkpoint.resume:
+        start_step = checkpointer.load_latest(model, optimizer, scheduler, dataloader, map_location=device)
+    with torch.random.fork_rng(devices=[]):  # making the iterator draws from the RNG; keep resumed runs identical
+        batches = iter(dataloader)
+
+    perf = PerfLogger(cfg, model_flops, tokenizer.pad_token_id, start_step, config_name=_config_name())
+    profiler = Profiler(cfg.profiler, cfg.output_dir)
+    ddp_model.train()
+    step = start_step
+    for step in range(start_step + 1, cfg.num_train_steps + 1):
+        with profiler.step_context(step):
+            step_loss = torch.zeros((), device=device)
+            for micro_step in range(cfg.grad_acc_steps):
+                batch = to_device(next(batches), device)
+                perf.count_batch(batch)
+                # Gradients are all-reduced only on the last micro-batch; earlier ones accumulate locally.
+                last = micro_step == cfg.grad_acc_steps - 1
+                sync = nullcontext() if last or ddp_model is model else ddp_model.no_sync()
+                with sync:
+                    with torch.autocast(device.type, dtype=torch.bfloat16, enabled=use_bf16):
+                        loss = ddp_model(**batch).loss / cfg.grad_acc_steps
+                    loss.backward()
+                step_loss += loss.detach()
+
+            grad_norm = torch.nn.utils.clip_grad_norm_(model.parameters(), cfg.max_grad_norm)
+            lr = scheduler.get_last_lr()[0]
+            optimizer.step()
+            scheduler.step()
+            optimizer.zero_grad(set_to_none=True)
+
+        perf.log_step(step, step_loss, grad_norm, lr)
+        if cfg.checkpoint.save_every and step % cfg.checkpoint.save_every == 0:
+            checkpointer.save(step, model, optimizer, scheduler, dataloader)
+
+    if cfg.checkpoint.save_final and step > start_step:
+        checkpointer.save(step, model, optimizer, scheduler, dataloader)
+    perf.finish()
+
+    # Export a Hugging Face directory that loads anywhere, without this recipe's low-precision settings.
+    if cfg.export_final_model:
+        full_state_dict = gather_full_state_dict(model, "ddp")
+        model.config.layer_precision = None
+        extra_files = [RECIPE_DIR / "modeling_esm_te.py", RECIPE_DIR / "torch_layers.py"]
+        export_final_model(model, full_state_dict, Path(cfg.output_dir) / "final_model", tokenizer, extra_files)
+    checkpointer.close()
+    cleanup_distributed()
+
+
+def _config_name() -> str:
+    return hydra.core.hydra_config.HydraConfig.get().job.config_name
+
+
+if __name__ == "__main__":
+    main()
