@@ -80,6 +80,19 @@ def main() -> None:
     ).item()
     assert error < 2e-2, f"CP logits differ from the single-GPU reference: relative error {error}"
     assert abs(out.loss.item() - reference.loss.item()) < 1e-2 * reference.loss.item(), (out.loss, reference.loss)
+    # Backward through ring attention with padding between sequences: every gradient must be finite.
+    loss = model(
+        input_ids=input_ids[local].cuda().unsqueeze(0),
+        labels=labels[local].cuda().unsqueeze(0),
+        cu_seq_lens_q=cu,
+        cu_seq_lens_k=cu,
+        cu_seq_lens_q_padded=padded_cu_t,
+        cu_seq_lens_k_padded=padded_cu_t,
+        max_length_q=max(padded),
+        max_length_k=max(padded),
+    ).loss
+    loss.backward()
+    assert all(torch.isfinite(p.grad).all() for p in model.parameters() if p.grad is not None)
     if rank == 0:
         print(f"CP-OK relative error {error:.2e}, loss {out.loss.item():.4f} vs {reference.loss.item():.4f}")
     dist.destroy_process_group()
