@@ -16,11 +16,12 @@ def run_script(
     timeout: int = 300,
     env: dict | None = None,
     expect_failure: bool = False,
+    cpu_only: bool = True,
 ):
     """Run ``script`` from the recipe folder; ``nproc=None`` means plain ``python`` with no torchrun variables.
 
     Raises with the process's output when it fails (or, with ``expect_failure``, when it succeeds), so a failing
-    test shows why.
+    test shows why. ``cpu_only`` hides GPUs, so CPU tests mean the same thing on a GPU machine.
     """
     command = [sys.executable]
     if nproc is not None:
@@ -36,6 +37,8 @@ def run_script(
             "WANDB_MODE": "disabled",
         }
     )
+    if cpu_only:
+        run_env["CUDA_VISIBLE_DEVICES"] = ""
     run_env.update(env or {})
     result = subprocess.run(
         command, cwd=RECIPE_DIR, env=run_env, capture_output=True, text=True, timeout=timeout, check=False

@@ -38,7 +38,15 @@ LOSS_THRESHOLD = 2.85
 
 def train(script: str, output_dir: Path, *overrides: str, nproc: int | None = None) -> list[dict]:
     run_script(script, f"output_dir={output_dir}", TINY_MODEL, *FAST, *overrides, nproc=nproc)
+    return read_metrics(output_dir)
+
+
+def read_metrics(output_dir: Path) -> list[dict]:
     return [json.loads(line) for line in (output_dir / "metrics.jsonl").read_text().splitlines()]
+
+
+def load_export(output_dir: Path):
+    return AutoModelForMaskedLM.from_pretrained(output_dir / "final_model", trust_remote_code=True, backend="torch")
 
 
 def checkpoint_weights(step_dir: Path, config: NVEsmConfig) -> NVEsmForMaskedLM:
@@ -119,8 +127,8 @@ def test_stop_and_go_matches_uninterrupted_run(tmp_path, script, extra):
     assert [m["step"] for m in resumed] == list(range(1, 81))  # metrics.jsonl appends across the restart
     assert [m["loss"] for m in resumed] == [m["loss"] for m in full]  # bit-identical, not just close
     assert [m["grad_norm"] for m in resumed] == [m["grad_norm"] for m in full]
-    full_model = AutoModelForMaskedLM.from_pretrained(tmp_path / "full" / "final_model", trust_remote_code=True)
-    resumed_model = AutoModelForMaskedLM.from_pretrained(tmp_path / "resumed" / "final_model", trust_remote_code=True)
+    full_model = load_export(tmp_path / "full")
+    resumed_model = load_export(tmp_path / "resumed")
     resumed_state = resumed_model.state_dict()
     for name, value in full_model.state_dict().items():
         torch.testing.assert_close(resumed_state[name], value, rtol=0, atol=0, msg=name)
@@ -143,3 +151,11 @@ def test_bad_config_fails_clearly(tmp_path, monkeypatch, capsys, args, message):
     assert exit_info.value.code != 0
     captured = capsys.readouterr()
     assert message in captured.err + captured.out
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="checks the CPU-only refusal")
+def test_megatron_fsdp_refuses_to_run_on_cpu(monkeypatch):
+    script = str(RECIPE_DIR / "train_mfsdp.py")
+    monkeypatch.setattr(sys, "argv", [script])
+    with pytest.raises(SystemExit, match="needs CUDA GPUs"):
+        runpy.run_path(script, run_name="__main__")

@@ -1,0 +1,66 @@
+"""The shipped Hydra configs: each composes, uses only keys that defaults.yaml documents, and points at files that
+exist. Hydra's struct mode only guards command-line overrides; a typo inside a YAML file would otherwise be merged
+in silently and ignored."""
+
+from pathlib import Path
+
+import pytest
+from hydra import compose, initialize_config_dir
+from omegaconf import OmegaConf
+from omegaconf.errors import ConfigKeyError
+
+
+CONFIG_DIR = Path(__file__).resolve().parent.parent / "hydra_config"
+RECIPE_DIR = CONFIG_DIR.parent
+NAMED_CONFIGS = sorted(p.stem for p in CONFIG_DIR.glob("*.yaml") if p.stem != "defaults")
+
+
+def _compose(name: str, overrides=()):
+    with initialize_config_dir(config_dir=str(CONFIG_DIR), version_base="1.3"):
+        return compose(config_name=name, overrides=list(overrides))
+
+
+def _strict_defaults():
+    defaults = OmegaConf.load(CONFIG_DIR / "defaults.yaml")
+    defaults.pop("defaults")
+    defaults.pop("hydra")
+    OmegaConf.set_struct(defaults, True)
+    # Free-form by design; their keys are checked at run time against the model config and the TE recipe.
+    for open_key in ("model_config_overrides", "fp8_config.fp8_recipe_kwargs", "fp4_config.fp4_recipe_kwargs"):
+        OmegaConf.set_struct(OmegaConf.select(defaults, open_key), False)
+    return defaults
+
+
+def test_expected_configs_ship():
+    assert {"L0_sanity", "L0_sanity_cp", "L1_650M", "L1_3B", "L1_15B_perf"} <= set(NAMED_CONFIGS)
+
+
+@pytest.mark.parametrize("name", NAMED_CONFIGS)
+def test_config_uses_only_documented_keys(name):
+    cfg = _compose(name)
+    cfg_values = OmegaConf.masked_copy(cfg, [k for k in cfg if k != "hydra"])
+    OmegaConf.merge(_strict_defaults(), cfg_values)  # raises ConfigKeyError on a key defaults.yaml lacks
+
+
+def test_a_typo_in_a_config_file_is_caught():
+    typo = OmegaConf.create({"dataset": {"micro_batchsize": 4}})
+    with pytest.raises(ConfigKeyError, match="micro_batchsize"):
+        OmegaConf.merge(_strict_defaults(), typo)
+
+
+@pytest.mark.parametrize("name", NAMED_CONFIGS)
+def test_model_config_exists(name):
+    assert (RECIPE_DIR / _compose(name).model_tag / "config.json").is_file()
+
+
+@pytest.mark.parametrize("name", ["L0_sanity", "L0_sanity_cp"])
+def test_l0_configs_are_complete_and_use_shipped_data(name):
+    cfg = _compose(name, ["output_dir=unused"])
+    missing = [key for key in ("model_tag", "num_train_steps", "dataset.path") if OmegaConf.is_missing(cfg, key)]
+    assert not missing
+    assert (RECIPE_DIR / cfg.dataset.path).is_file()
+
+
+@pytest.mark.parametrize("name", ["L1_650M", "L1_3B", "L1_15B_perf"])
+def test_benchmarks_ask_for_their_data(name):
+    assert OmegaConf.is_missing(_compose(name).dataset, "path")  # real data is not shipped in the repo

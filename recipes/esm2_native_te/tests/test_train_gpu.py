@@ -1,0 +1,92 @@
+"""The training scripts on GPUs with the TransformerEngine backend (skipped on machines without them).
+
+The 8M-parameter L0 sanity model trains for 100 steps; the references are the same as on CPU: loss below the
+residue background entropy, and an export that reproduces the checkpointed weights.
+"""
+
+import importlib.util
+import json
+from pathlib import Path
+
+import pytest
+from launch import run_script
+from test_train import LOSS_THRESHOLD, assert_export_reproduces_checkpoint, read_metrics
+
+
+STEPS = ["num_train_steps=100", "logger.log_every=10", "checkpoint.save_every=50"]
+
+
+def train_on_gpu(script: str, output_dir: Path, *overrides: str, nproc: int | None = None) -> list[dict]:
+    run_script(script, f"output_dir={output_dir}", *STEPS, *overrides, nproc=nproc, cpu_only=False, timeout=600)
+    return read_metrics(output_dir)
+
+
+def assert_learned(metrics: list[dict]) -> None:
+    final = [m["loss"] for m in metrics if m["step"] > 80]
+    assert sum(final) / len(final) < LOSS_THRESHOLD, [round(m["loss"], 3) for m in metrics]
+
+
+@pytest.mark.requires_te
+@pytest.mark.parametrize(
+    ("script", "overrides"),
+    [
+        ("train_ddp.py", ["dataset.input_format=bshd"]),
+        ("train_fsdp2.py", ["dataset.input_format=thd"]),
+        ("train_fsdp2.py", ["dataset.input_format=thd", "checkpoint.async_save=true", "use_torch_compile=true"]),
+    ],
+)
+def test_te_backend_learns_and_exports(tmp_path, script, overrides):
+    metrics = train_on_gpu(script, tmp_path, "+model_config_overrides.backend=te", *overrides)
+    assert_learned(metrics)
+    summary = json.loads((tmp_path / "summary.json").read_text())
+    assert summary["peak_memory_gb"] > 0 and summary["median_mfu"] > 0
+    assert_export_reproduces_checkpoint(tmp_path, step=100)
+
+
+@pytest.mark.requires_fp8
+@pytest.mark.parametrize("recipe", ["DelayedScaling", "Float8CurrentScaling", "Float8BlockScaling"])
+def test_fp8_layers_learn(tmp_path, recipe):
+    overrides = [
+        "dataset.input_format=thd",
+        "dataset.pad_to_multiple_of=16",
+        "fp8_config.enabled=true",
+        f"fp8_config.fp8_recipe={recipe}",
+        "fp8_config.fp8_layers=[2,3,4,5]",  # first and last layers stay in bf16, a common choice
+    ]
+    assert_learned(train_on_gpu("train_fsdp2.py", tmp_path, *overrides))
+    assert_export_reproduces_checkpoint(tmp_path, step=100)
+
+
+@pytest.mark.requires_blackwell
+def test_mxfp8_and_nvfp4_layers_learn(tmp_path):
+    overrides = [
+        "dataset.input_format=thd",
+        "dataset.pad_to_multiple_of=32",
+        "fp8_config.enabled=true",
+        "fp8_config.fp8_recipe=MXFP8BlockScaling",
+        "fp4_config.enabled=true",
+        "fp4_config.fp4_layers=[3,4]",  # the other layers run in MXFP8
+    ]
+    assert_learned(train_on_gpu("train_fsdp2.py", tmp_path, *overrides))
+
+
+@pytest.mark.requires_gpu
+@pytest.mark.skipif(importlib.util.find_spec("megatron_fsdp") is None, reason="megatron-fsdp is not installed")
+def test_megatron_fsdp_learns_and_exports(tmp_path):
+    metrics = train_on_gpu("train_mfsdp.py", tmp_path, "dataset.input_format=thd", nproc=1)
+    assert_learned(metrics)
+    assert_export_reproduces_checkpoint(tmp_path, step=100)
+
+
+@pytest.mark.requires_multi_gpu
+@pytest.mark.requires_te
+def test_context_parallel_learns_and_exports(tmp_path):
+    metrics = train_on_gpu("train_cp.py", tmp_path, "--config-name", "L0_sanity_cp", nproc=2)
+    assert_learned(metrics)
+    assert_export_reproduces_checkpoint(tmp_path, step=100)
+
+
+@pytest.mark.requires_multi_gpu
+@pytest.mark.parametrize("script", ["train_ddp.py", "train_fsdp2.py"])
+def test_two_gpus_learn(tmp_path, script):
+    assert_learned(train_on_gpu(script, tmp_path, "dataset.input_format=thd", nproc=2))

@@ -1,0 +1,187 @@
+"""Pre-train ESM-2 with context parallelism: each sequence is split over ``cp_size`` GPUs (ring attention in
+TransformerEngine), and FSDP2 shards the weights over all GPUs. For sequences too long for one GPU's memory.
+
+    torchrun --nproc_per_node=8 train_cp.py --config-name L0_sanity_cp cp_size=2
+
+Needs the TransformerEngine backend (CUDA). Reads top to bottom like train_fsdp2.py; what differs is the (dp, cp)
+mesh, the CP group handed to the model, CP-sharded batches, and a loss reduced over the CP group.
+"""
+
+import logging
+from pathlib import Path
+
+import hydra
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+from checkpoint import Checkpointer, export_final_model, gather_full_state_dict
+from dataset import create_dataloader
+from distributed import build_meshes, cleanup_distributed, setup_distributed
+from modeling_esm_te import NVEsmConfig, NVEsmForMaskedLM
+from omegaconf import DictConfig, OmegaConf
+from perf_logger import ModelFlops, PerfLogger, Profiler
+from quantization import build_quantization
+from scheduler import get_linear_schedule_with_warmup
+from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
+from transformers import AutoTokenizer
+
+
+logger = logging.getLogger(__name__)
+RECIPE_DIR = Path(__file__).resolve().parent
+
+
+def recipe_path(path: str) -> Path:
+    """A path as given when it exists from the working directory, else relative to this recipe folder."""
+    return Path(path) if Path(path).exists() or Path(path).is_absolute() else RECIPE_DIR / path
+
+
+def load_model_config(cfg: DictConfig):
+    """config.json from ``model_tag``, this run's overrides, and the per-layer FP8/FP4 plan the model needs."""
+    model_dir = recipe_path(cfg.model_tag)
+    overrides = OmegaConf.to_container(cfg.model_config_overrides)
+    unknown = sorted(set(overrides) - set(NVEsmConfig.from_pretrained(model_dir).to_dict()))
+    if unknown:
+        raise ValueError(f"model_config_overrides has keys {unknown} that {model_dir}/config.json does not have")
+    config = NVEsmConfig.from_pretrained(model_dir, **overrides)
+    fp8_config, fp4_config = OmegaConf.to_container(cfg.fp8_config), OmegaConf.to_container(cfg.fp4_config)
+    plan = build_quantization(fp8_config, fp4_config, config.num_hidden_layers)
+    config.layer_precision = plan.layer_precision
+    config.validate_nv_esm()
+    return config, plan
+
+
+def to_device(batch: dict, device: torch.device) -> dict:
+    return {k: v.to(device, non_blocking=True) if isinstance(v, torch.Tensor) else v for k, v in batch.items()}
+
+
+def cp_loss(logits: torch.Tensor, labels: torch.Tensor, cp_group) -> torch.Tensor:
+    """This rank's share of the masked-LM loss of the sequences its CP group holds together.
+
+    A CP shard may hold few or no labelled tokens, so a per-rank mean would weight shards wrongly (or be 0/0).
+    Each rank divides its cross-entropy *sum* by the group's label count; the shares add up to the group's mean.
+    FSDP then averages gradients over all dp * cp ranks, so the share is multiplied by cp_size to leave the
+    data-parallel average of group means. The same scaling makes the all-rank average of this value the true loss.
+    """
+    loss_sum = F.cross_entropy(logits.flatten(0, -2).float(), labels.flatten(), ignore_index=-100, reduction="sum")
+    count = (labels != -100).sum()
+    dist.all_reduce(count, group=cp_group)  # stays on the device: no host sync
+    return loss_sum / count.clamp(min=1) * dist.get_world_size(cp_group)
+
+
+@hydra.main(config_path="hydra_config", config_name="L0_sanity_cp", version_base="1.3")
+def main(cfg: DictConfig) -> None:
+    OmegaConf.to_container(cfg, resolve=True, throw_on_missing=True)  # a missing `???` value fails here, by name
+    dist_config, device = setup_distributed(require_process_group=True)
+    if not dist_config.is_main_process():
+        logging.getLogger().setLevel(logging.WARNING)
+    logger.info("Config:\n%s", OmegaConf.to_yaml(cfg))
+    torch.manual_seed(cfg.seed)
+    meshes = build_meshes(dist_config, device, cp_size=cfg.cp_size)
+
+    tokenizer = AutoTokenizer.from_pretrained(recipe_path(cfg.tokenizer_path))
+    config, plan = load_model_config(cfg)
+    use_bf16 = cfg.mixed_precision.enabled and (device.type == "cuda" or cfg.mixed_precision.on_cpu)
+    with torch.device("meta" if cfg.fsdp.use_meta_device else device):
+        model = NVEsmForMaskedLM(config, fp8_recipe=plan.fp8_recipe, fp4_recipe=plan.fp4_recipe)
+    if use_bf16 and not cfg.mixed_precision.fp32_master_weights:
+        model.to(torch.bfloat16)
+    model_flops = ModelFlops.from_model(model, config.num_hidden_layers, config.hidden_size)
+
+    # Every attention layer exchanges K/V blocks with the other ranks of this rank's CP group (TE backend only).
+    cp_group = meshes.cp.get_group() if meshes.cp is not None else None
+    if cp_group is not None:
+        cp_stream = torch.cuda.Stream() if device.type == "cuda" else None
+        model.esm.set_context_parallel_group(cp_group, dist.get_process_group_ranks(cp_group), cp_stream)
+
+    mp_policy = MixedPrecisionPolicy()
+    if use_bf16 and cfg.mixed_precision.fp32_master_weights:
+        mp_policy = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
+    for layer in model.esm.encoder.layers:
+        fully_shard(layer, mesh=meshes.fsdp, mp_policy=mp_policy, reshard_after_forward=cfg.fsdp.reshard_after_forward)
+    fully_shard(model, mesh=meshes.fsdp, mp_policy=mp_policy, reshard_after_forward=cfg.fsdp.reshard_after_forward)
+    if cfg.fsdp.use_meta_device:
+        model.init_empty_weights(device)
+    train_model = torch.compile(model) if cfg.use_torch_compile else model
+
+    optimizer = torch.optim.AdamW(model.parameters(), **cfg.adamw_kwargs, fused=device.type == "cuda")
+    scheduler = get_linear_schedule_with_warmup(optimizer, **cfg.lr_scheduler_kwargs)
+    # All CP ranks of a DP group read the same sequences; the loader hands each its own CP shard of them.
+    cp_rank = meshes.cp.get_local_rank() if meshes.cp is not None else None
+    dataloader = create_dataloader(
+        cfg.dataset,
+        tokenizer,
+        dp_rank=meshes.dp_rank,
+        dp_world_size=meshes.dp_size,
+        seed=cfg.seed,
+        cp_size=cfg.cp_size,
+        cp_rank=cp_rank,
+    )
+
+    checkpointer = Checkpointer(
+        cfg.checkpoint.ckpt_dir,
+        "fsdp2",
+        async_save=cfg.checkpoint.async_save,
+        max_checkpoints=cfg.checkpoint.max_checkpoints,
+    )
+    start_step = 0
+    if cfg.checkpoint.resume:
+        start_step = checkpointer.load_latest(model, optimizer, scheduler, dataloader)
+    with torch.random.fork_rng(devices=[]):  # making the iterator draws from the RNG; keep resumed runs identical
+        batches = iter(dataloader)
+
+    perf = PerfLogger(
+        cfg, model_flops, tokenizer.pad_token_id, start_step, cp_size=cfg.cp_size, config_name=_config_name()
+    )
+    profiler = Profiler(cfg.profiler, cfg.output_dir)
+    train_model.train()
+    step = start_step
+    for step in range(start_step + 1, cfg.num_train_steps + 1):
+        with profiler.step_context(step):
+            step_loss = torch.zeros((), device=device)
+            for micro_step in range(cfg.grad_acc_steps):
+                batch = to_device(next(batches), device)
+                perf.count_batch(batch)
+                model.set_requires_gradient_sync(micro_step == cfg.grad_acc_steps - 1)
+                labels = batch.pop("labels")
+                logits = train_model(**batch).logits
+                loss = cp_loss(logits, labels, cp_group) if cp_group is not None else train_model_loss(logits, labels)
+                loss = loss / cfg.grad_acc_steps
+                loss.backward()
+                step_loss += loss.detach()
+
+            grad_norm = torch.nn.utils.clip_grad_norm_(model.parameters(), cfg.max_grad_norm)
+            lr = scheduler.get_last_lr()[0]
+            optimizer.step()
+            scheduler.step()
+            optimizer.zero_grad(set_to_none=True)
+
+        perf.log_step(step, step_loss, grad_norm, lr)
+        checkpointer.poll()
+        if cfg.checkpoint.save_every and step % cfg.checkpoint.save_every == 0:
+            checkpointer.save(step, model, optimizer, scheduler, dataloader)
+
+    if cfg.checkpoint.save_final and step > start_step:
+        checkpointer.save(step, model, optimizer, scheduler, dataloader)
+    perf.finish()
+
+    if cfg.export_final_model:
+        full_state_dict = gather_full_state_dict(model, "fsdp2")
+        model.config.layer_precision = None
+        extra_files = [RECIPE_DIR / "modeling_esm_te.py", RECIPE_DIR / "torch_layers.py"]
+        export_final_model(model, full_state_dict, Path(cfg.output_dir) / "final_model", tokenizer, extra_files)
+    checkpointer.close()
+    cleanup_distributed()
+
+
+def train_model_loss(logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
+    """Without CP (cp_size=1) the ordinary mean over labelled tokens."""
+    loss_sum = F.cross_entropy(logits.flatten(0, -2).float(), labels.flatten(), ignore_index=-100, reduction="sum")
+    return loss_sum / (labels != -100).sum().clamp(min=1)
+
+
+def _config_name() -> str:
+    return hydra.core.hydra_config.HydraConfig.get().job.config_name
+
+
+if __name__ == "__main__":
+    main()
