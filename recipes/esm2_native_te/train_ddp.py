@@ -130,7 +130,8 @@ def main(cfg: DictConfig) -> None:
     # Export a Hugging Face directory that loads anywhere, without this recipe's low-precision settings.
     if cfg.export_final_model:
         full_state_dict = gather_full_state_dict(model, "ddp")
-        model.config.layer_precision = None
+        model.config.layer_precision = None  # the export loads anywhere: no FP8 layers, backend chosen
+        model.config.backend = "auto"  # by the machine that loads it
         extra_files = [RECIPE_DIR / "modeling_esm_te.py", RECIPE_DIR / "torch_layers.py"]
         export_final_model(model, full_state_dict, Path(cfg.output_dir) / "final_model", tokenizer, extra_files)
     checkpointer.close()

@@ -140,7 +140,8 @@ def main(cfg: DictConfig) -> None:
     # Export a Hugging Face directory: gather the full weights (collective), written by rank 0.
     if cfg.export_final_model:
         full_state_dict = gather_full_state_dict(model, "fsdp2")
-        model.config.layer_precision = None
+        model.config.layer_precision = None  # the export loads anywhere: no FP8 layers, backend chosen
+        model.config.backend = "auto"  # by the machine that loads it
         extra_files = [RECIPE_DIR / "modeling_esm_te.py", RECIPE_DIR / "torch_layers.py"]
         export_final_model(model, full_state_dict, Path(cfg.output_dir) / "final_model", tokenizer, extra_files)
     checkpointer.close()  # an asynchronous save must land before the process exits

@@ -76,12 +76,12 @@ def main(cfg: DictConfig) -> None:
     # Megatron-FSDP wants a tensor-parallel dimension too (TE layers assume one); it is trivial here.
     mesh = init_device_mesh("cuda", (dist_config.world_size, 1), mesh_dim_names=("dp", "tp"))
 
-    # Model: with meta-device init, Megatron-FSDP materialises each rank's shards and calls the modules'
-    # reset_parameters(); otherwise the model is built whole on this GPU first.
+    # Model: built whole on this GPU, then sharded. (Megatron-FSDP's meta-device path would initialise weights with
+    # each module's reset_parameters(), not ESM's initialisation, so it is not used.)
     tokenizer = AutoTokenizer.from_pretrained(recipe_path(cfg.tokenizer_path))
     config, plan = load_model_config(cfg)
     use_bf16 = cfg.mixed_precision.enabled
-    with torch.device("meta" if cfg.fsdp.use_meta_device else device):
+    with torch.device(device):
         model = NVEsmForMaskedLM(config, fp8_recipe=plan.fp8_recipe, fp4_recipe=plan.fp4_recipe)
     if use_bf16:
         model.to(torch.bfloat16)  # compute weights; fp32 main weights live in Megatron-FSDP's buffers
@@ -102,7 +102,6 @@ def main(cfg: DictConfig) -> None:
         tp_dim="tp",
         fsdp_unit_modules=[type(model.esm.encoder.layers[0])],
         zero_dp_strategy=cfg.fsdp.mfsdp_zero_dp_strategy,
-        init_model_with_meta_device=cfg.fsdp.use_meta_device,
         mixed_precision_policy=mixed_precision_policy,
         device=device,
     )
@@ -159,7 +158,8 @@ def main(cfg: DictConfig) -> None:
 
     if cfg.export_final_model:
         full_state_dict = gather_full_state_dict(model, "mfsdp")
-        model.module.config.layer_precision = None
+        model.module.config.layer_precision = None  # the export loads anywhere: no FP8 layers, backend chosen
+        model.module.config.backend = "auto"  # by the machine that loads it
         extra_files = [RECIPE_DIR / "modeling_esm_te.py", RECIPE_DIR / "torch_layers.py"]
         export_final_model(model, full_state_dict, Path(cfg.output_dir) / "final_model", tokenizer, extra_files)
     checkpointer.close()

@@ -11,13 +11,13 @@ import runpy
 import sys
 from pathlib import Path
 
-import pandas as pd
+import pyarrow.parquet as pq
 import pytest
 import torch
 import torch.distributed.checkpoint as dcp
 from launch import RECIPE_DIR, run_script
 from modeling_esm_te import NVEsmConfig, NVEsmForMaskedLM
-from transformers import AutoModelForMaskedLM, AutoTokenizer
+from transformers import AutoConfig, AutoModelForMaskedLM, AutoTokenizer
 
 
 TINY_MODEL = (
@@ -46,7 +46,10 @@ def read_metrics(output_dir: Path) -> list[dict]:
 
 
 def load_export(output_dir: Path):
-    return AutoModelForMaskedLM.from_pretrained(output_dir / "final_model", trust_remote_code=True, backend="torch")
+    """The exported model on CPU with the torch backend, also on a GPU machine (where "auto" would pick TE)."""
+    export_dir = output_dir / "final_model"
+    config = AutoConfig.from_pretrained(export_dir, trust_remote_code=True, backend="torch")
+    return AutoModelForMaskedLM.from_pretrained(export_dir, config=config, trust_remote_code=True)
 
 
 def checkpoint_weights(step_dir: Path, config: NVEsmConfig) -> NVEsmForMaskedLM:
@@ -54,21 +57,29 @@ def checkpoint_weights(step_dir: Path, config: NVEsmConfig) -> NVEsmForMaskedLM:
     model = NVEsmForMaskedLM(config)
     if (step_dir / "train_state.pt").exists():  # DDP
         model.load_state_dict(torch.load(step_dir / "train_state.pt", weights_only=True)["model"])
-    else:  # FSDP2: a DCP directory, read without a process group
-        state = {"model": model.state_dict()}
+    else:  # FSDP2 / Megatron-FSDP: a DCP directory, read without a process group
+        # TE's FP8 bookkeeping (_extra_state) is not part of the weights; Megatron-FSDP keeps its wrapper's prefix.
+        saved = dcp.FileSystemReader(str(step_dir)).read_metadata().state_dict_metadata
+        prefix = "model.module." if any(key.startswith("model.module.") for key in saved) else "model."
+        weights = {k: v for k, v in model.state_dict().items() if not k.endswith("_extra_state")}
+        state = {prefix + k: v for k, v in weights.items()}
         dcp.load(state, checkpoint_id=str(step_dir), no_dist=True)
-        model.load_state_dict(state["model"])
+        missing, unexpected = model.load_state_dict(
+            {k.removeprefix(prefix): v for k, v in state.items()}, strict=False
+        )
+        assert not unexpected and all(key.endswith("_extra_state") for key in missing), (missing, unexpected)
     return model.eval()
 
 
 def assert_export_reproduces_checkpoint(output_dir: Path, step: int) -> None:
+    """Both models on CPU with the torch backend."""
     export_dir = output_dir / "final_model"
-    exported = AutoModelForMaskedLM.from_pretrained(export_dir, trust_remote_code=True).eval()
-    reference = checkpoint_weights(
-        output_dir / "checkpoints" / f"step_{step}", NVEsmConfig.from_pretrained(export_dir)
-    )
+    exported = load_export(output_dir).eval()
+    assert exported.backend == "torch"
+    config = NVEsmConfig.from_pretrained(export_dir, backend="torch")
+    reference = checkpoint_weights(output_dir / "checkpoints" / f"step_{step}", config)
     tokenizer = AutoTokenizer.from_pretrained(export_dir)
-    sequences = pd.read_parquet(Path(__file__).parent.parent / "data" / "sanity_proteins_val.parquet")["sequence"]
+    sequences = pq.read_table(RECIPE_DIR / "data" / "sanity_proteins_val.parquet").column("sequence").to_pylist()
     batch = tokenizer([s[:100] for s in sequences[:4]], return_tensors="pt", padding=True)
     with torch.no_grad():
         torch.testing.assert_close(exported(**batch).logits, reference(**batch).logits, rtol=0, atol=0)

@@ -21,9 +21,9 @@ def train_on_gpu(script: str, output_dir: Path, *overrides: str, nproc: int | No
     return read_metrics(output_dir)
 
 
-def assert_learned(metrics: list[dict]) -> None:
-    final = [m["loss"] for m in metrics if m["step"] > 80]
-    assert sum(final) / len(final) < LOSS_THRESHOLD, [round(m["loss"], 3) for m in metrics]
+def assert_learned(metrics: list[dict], threshold: float = LOSS_THRESHOLD, last_steps: int = 20) -> None:
+    final = [m["loss"] for m in metrics if m["step"] > 100 - last_steps]
+    assert sum(final) / len(final) < threshold, [round(m["loss"], 3) for m in metrics]
 
 
 @pytest.mark.requires_te
@@ -53,7 +53,9 @@ def test_fp8_layers_learn(tmp_path, recipe):
         f"fp8_config.fp8_recipe={recipe}",
         "fp8_config.fp8_layers=[2,3,4,5]",  # first and last layers stay in bf16, a common choice
     ]
-    assert_learned(train_on_gpu("train_fsdp2.py", tmp_path, *overrides))
+    # FP8 steps are noisier at this learning rate: the mean of the last 40 steps must beat the residue background
+    # entropy (~2.9 nats), which still needs context.
+    assert_learned(train_on_gpu("train_fsdp2.py", tmp_path, *overrides), threshold=2.9, last_steps=40)
     assert_export_reproduces_checkpoint(tmp_path, step=100)
 
 
