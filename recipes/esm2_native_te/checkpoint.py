@@ -129,6 +129,14 @@ def _barrier() -> None:
         dist.barrier()
 
 
+def _broadcast_from_rank0(value: Any) -> Any:
+    if not dist.is_initialized():
+        return value
+    holder = [value]
+    dist.broadcast_object_list(holder, src=0)
+    return holder[0]
+
+
 def _unwrap(model: torch.nn.Module) -> torch.nn.Module:
     """The user's model under DDP's or torch.compile's wrapper."""
     model = getattr(model, "_orig_mod", model)
@@ -184,7 +192,8 @@ class Checkpointer:
         """Write checkpoint ``step``; collective, so every rank calls it."""
         self.wait()  # one save in flight at a time: the previous one must be finalised before a new one starts
         final_dir, tmp_dir = self.ckpt_dir / f"step_{step}", self.ckpt_dir / f"step_{step}.tmp"
-        if (final_dir / COMPLETE_MARKER).is_file():
+        # Rank 0 decides for everyone: it finalises saves, so another rank could look before its rename lands.
+        if _broadcast_from_rank0((final_dir / COMPLETE_MARKER).is_file() if _rank() == 0 else None):
             logger.info("Checkpoint %s already exists; not saving it again", final_dir)
             return
         if _rank() == 0:
@@ -274,11 +283,8 @@ class Checkpointer:
         map_location: torch.device | str = "cpu",
     ) -> int:
         """Restore the newest complete checkpoint into the given objects; return its step (0 when there is none)."""
-        path = find_latest_checkpoint(self.ckpt_dir) if _rank() == 0 else None
-        if dist.is_initialized():  # rank 0 decides, so that every rank resumes from the same step
-            holder = [path]
-            dist.broadcast_object_list(holder, src=0)
-            path = holder[0]
+        # Rank 0 decides, so that every rank resumes from the same step.
+        path = _broadcast_from_rank0(find_latest_checkpoint(self.ckpt_dir) if _rank() == 0 else None)
         if path is None:
             return 0
 

@@ -3,8 +3,8 @@ TransformerEngine), and FSDP2 shards the weights over all GPUs. For sequences to
 
     torchrun --nproc_per_node=8 train_cp.py --config-name L0_sanity_cp cp_size=2
 
-Needs the TransformerEngine backend (CUDA). Reads top to bottom like train_fsdp2.py; what differs is the (dp, cp)
-mesh, the CP group handed to the model, CP-sharded batches, and a loss reduced over the CP group.
+Needs the TransformerEngine backend (CUDA) and THD input. Reads top to bottom like train_fsdp2.py; what differs is
+the (dp, cp) mesh, the CP group handed to the model, and CP-sharded batches.
 """
 
 import logging
@@ -13,7 +13,6 @@ from pathlib import Path
 import hydra
 import torch
 import torch.distributed as dist
-import torch.nn.functional as F
 from checkpoint import Checkpointer, export_final_model, gather_full_state_dict
 from dataset import create_dataloader
 from distributed import build_meshes, cleanup_distributed, setup_distributed
@@ -52,20 +51,6 @@ def load_model_config(cfg: DictConfig):
 
 def to_device(batch: dict, device: torch.device) -> dict:
     return {k: v.to(device, non_blocking=True) if isinstance(v, torch.Tensor) else v for k, v in batch.items()}
-
-
-def cp_loss(logits: torch.Tensor, labels: torch.Tensor, cp_group) -> torch.Tensor:
-    """This rank's share of the masked-LM loss of the sequences its CP group holds together.
-
-    A CP shard may hold few or no labelled tokens, so a per-rank mean would weight shards wrongly (or be 0/0).
-    Each rank divides its cross-entropy *sum* by the group's label count; the shares add up to the group's mean.
-    FSDP then averages gradients over all dp * cp ranks, so the share is multiplied by cp_size to leave the
-    data-parallel average of group means. The same scaling makes the all-rank average of this value the true loss.
-    """
-    loss_sum = F.cross_entropy(logits.flatten(0, -2).float(), labels.flatten(), ignore_index=-100, reduction="sum")
-    count = (labels != -100).sum()
-    dist.all_reduce(count, group=cp_group)  # stays on the device: no host sync
-    return loss_sum / count.clamp(min=1) * dist.get_world_size(cp_group)
 
 
 @hydra.main(config_path="hydra_config", config_name="L0_sanity_cp", version_base="1.3")
@@ -142,10 +127,9 @@ def main(cfg: DictConfig) -> None:
                 batch = to_device(next(batches), device)
                 perf.count_batch(batch)
                 model.set_requires_gradient_sync(micro_step == cfg.grad_acc_steps - 1)
-                labels = batch.pop("labels")
-                logits = train_model(**batch).logits
-                loss = cp_loss(logits, labels, cp_group) if cp_group is not None else train_model_loss(logits, labels)
-                loss = loss / cfg.grad_acc_steps
+                # A CP shard may hold few or no labels, so the model reduces the loss over the CP group: its value is
+                # the group's mean, its gradient scaled by cp_size to survive FSDP's average over dp x cp ranks.
+                loss = train_model(**batch).loss / cfg.grad_acc_steps
                 loss.backward()
                 step_loss += loss.detach()
 
@@ -172,12 +156,6 @@ def main(cfg: DictConfig) -> None:
         export_final_model(model, full_state_dict, Path(cfg.output_dir) / "final_model", tokenizer, extra_files)
     checkpointer.close()
     cleanup_distributed()
-
-
-def train_model_loss(logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
-    """Without CP (cp_size=1) the ordinary mean over labelled tokens."""
-    loss_sum = F.cross_entropy(logits.flatten(0, -2).float(), labels.flatten(), ignore_index=-100, reduction="sum")
-    return loss_sum / (labels != -100).sum().clamp(min=1)
 
 
 def _config_name() -> str:

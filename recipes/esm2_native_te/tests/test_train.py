@@ -121,7 +121,11 @@ def test_l0_sanity_converges_and_exports(tmp_path, script, nproc, input_format):
     ("script", "extra"),
     [
         # DDP with gradient accumulation (no_sync on the first micro-batch) and a dataloader worker process.
-        ("train_ddp.py", ["dataset.input_format=bshd", "grad_acc_steps=2", "dataset.num_workers=1"]),
+        # save_every=40 also makes step 80 a periodic save that save_final must not repeat.
+        (
+            "train_ddp.py",
+            ["dataset.input_format=bshd", "grad_acc_steps=2", "dataset.num_workers=1", "checkpoint.save_every=40"],
+        ),
         # FSDP2 with packed sequences and asynchronous checkpoints.
         ("train_fsdp2.py", ["dataset.input_format=thd", "checkpoint.async_save=true", "dataset.num_workers=0"]),
     ],
