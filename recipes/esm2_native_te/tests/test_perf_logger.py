@@ -4,7 +4,7 @@ import sys
 import pytest
 import torch
 from omegaconf import OmegaConf
-from perf_logger import ModelFlops, PerfLogger, batch_token_stats
+from perf_logger import ModelFlops, PerfLogger, Profiler, batch_token_stats
 
 
 PAD = 1
@@ -89,3 +89,19 @@ def test_wandb_enabled_without_package_says_so(tmp_path, monkeypatch):
     cfg.wandb.mode = "offline"
     with pytest.raises(ImportError, match="wandb.mode=offline needs the wandb package"):
         PerfLogger(cfg, ModelFlops(1, 1, 1), pad_token_id=PAD)
+
+
+def test_torch_profiler_traces_only_its_window(tmp_path):
+    cfg = OmegaConf.create({"enabled": True, "kind": "torch", "start_step": 2, "end_step": 3})
+    profiler = Profiler(cfg, tmp_path)
+    for step in range(1, 5):
+        with profiler.step_context(step):
+            torch.ones(8, 8) @ torch.ones(8, 8)
+        active = profiler._torch_profiler is not None
+        assert active == (step == 2), step  # running after step 2, stopped and written after step 3
+    assert (tmp_path / "profile_rank0.json").stat().st_size > 0
+
+
+def test_profiler_window_is_validated(tmp_path):
+    with pytest.raises(ValueError, match="end_step 1 < start_step 2"):
+        Profiler(OmegaConf.create({"enabled": True, "kind": "torch", "start_step": 2, "end_step": 1}), tmp_path)
