@@ -5,6 +5,7 @@ import sys
 
 import torch
 import torch.distributed as dist
+from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.fsdp import fully_shard
 from torch.distributed.tensor import DTensor
 
@@ -22,9 +23,11 @@ def main(backend: str) -> None:
     )
     with torch.device("meta"):
         model = NVEsmForMaskedLM(config)
+    # An explicit mesh: FSDP2's default mesh is on CUDA whenever a GPU exists, even for CPU (gloo) processes.
+    mesh = init_device_mesh(device.type, (dist.get_world_size(),))
     for layer in model.esm.encoder.layers:
-        fully_shard(layer)
-    fully_shard(model)
+        fully_shard(layer, mesh=mesh)
+    fully_shard(model, mesh=mesh)
     model.init_empty_weights(device)
 
     std = config.initializer_range
