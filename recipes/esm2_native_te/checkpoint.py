@@ -23,6 +23,7 @@ import logging
 import random
 import re
 import shutil
+import tempfile
 from concurrent.futures import Future
 from pathlib import Path
 from typing import Any, Literal
@@ -31,6 +32,7 @@ import numpy as np
 import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
+from modeling_esm_te import AUTO_MAP
 from torch.distributed.checkpoint.state_dict import (
     StateDictOptions,
     get_model_state_dict,
@@ -349,17 +351,20 @@ def gather_full_state_dict(model: torch.nn.Module, strategy: Strategy) -> dict[s
     return full
 
 
+MODELING_FILES = ("modeling_esm_te.py", "torch_layers.py")
+
+
 def export_final_model(
     model: torch.nn.Module,
     full_state_dict: dict[str, torch.Tensor],
     output_dir: str | Path,
     tokenizer: Any = None,
-    extra_files: list[str | Path] | tuple = (),
 ) -> Path | None:
     """Write a Hugging Face directory (config, safetensors weights, tokenizer, modeling code) on rank 0.
 
-    ``AutoModelForMaskedLM.from_pretrained(output_dir, trust_remote_code=True)`` loads the result: the config's
-    ``auto_map`` names the modeling file, which is copied in through ``extra_files``.
+    ``AutoModelForMaskedLM.from_pretrained(output_dir, trust_remote_code=True)`` loads the result, on any machine:
+    the saved config has no FP8/FP4 layers and ``backend: auto``. The directory is written beside its final name
+    and renamed only when complete; an earlier export there is replaced only after the new one is whole.
 
     Args:
         model: the trained model, possibly wrapped or sharded: only its config and ``save_pretrained`` are used,
@@ -368,13 +373,33 @@ def export_final_model(
     """
     if _rank() != 0:
         return None
+    model = _unwrap(model)
     output_dir = Path(output_dir)
-    output_dir.mkdir(parents=True, exist_ok=True)
+    output_dir.parent.mkdir(parents=True, exist_ok=True)
+    staging = Path(tempfile.mkdtemp(prefix=f".{output_dir.name}.", dir=output_dir.parent))
     weights = {k: v for k, v in full_state_dict.items() if not k.endswith("_extra_state")}
-    _unwrap(model).save_pretrained(output_dir, state_dict=weights)
-    if tokenizer is not None:
-        tokenizer.save_pretrained(output_dir)
-    for extra in extra_files:
-        shutil.copy2(extra, output_dir / Path(extra).name)
+    # Loadable anywhere through the modeling code copied in: no FP8/FP4 layers, the loading machine picks the backend.
+    exported = {"auto_map": dict(AUTO_MAP), "architectures": [type(model).__name__], "layer_precision": None}
+    exported["backend"] = "auto"
+    saved = {key: getattr(model.config, key, None) for key in exported}
+    try:
+        for key, value in exported.items():
+            setattr(model.config, key, value)
+        model.save_pretrained(staging, state_dict=weights)
+        if tokenizer is not None:
+            tokenizer.save_pretrained(staging)
+        for name in MODELING_FILES:
+            shutil.copy2(Path(__file__).resolve().parent / name, staging / name)
+        previous = output_dir.with_name(f".{output_dir.name}.previous")
+        if output_dir.exists():
+            output_dir.rename(previous)
+        staging.rename(output_dir)
+        shutil.rmtree(previous, ignore_errors=True)
+    except BaseException:
+        shutil.rmtree(staging, ignore_errors=True)
+        raise
+    finally:
+        for key, value in saved.items():
+            setattr(model.config, key, value)
     logger.info("Exported the final model to %s", output_dir)
     return output_dir

@@ -118,3 +118,8 @@ def cleanup_distributed() -> None:
     if dist.is_initialized():
         dist.barrier()
         dist.destroy_process_group()
+
+
+def move_to_device(batch: dict, device: torch.device) -> dict:
+    """Move a batch's tensors to ``device`` (asynchronously from pinned memory); other values pass through."""
+    return {k: v.to(device, non_blocking=True) if isinstance(v, torch.Tensor) else v for k, v in batch.items()}

@@ -15,42 +15,17 @@ import hydra
 import torch
 from checkpoint import Checkpointer, export_final_model, gather_full_state_dict
 from dataset import create_dataloader
-from distributed import build_meshes, cleanup_distributed, setup_distributed
-from modeling_esm_te import NVEsmConfig, NVEsmForMaskedLM
+from distributed import build_meshes, cleanup_distributed, move_to_device, setup_distributed
+from model_setup import config_name, load_model_config, recipe_path
+from modeling_esm_te import NVEsmForMaskedLM
 from omegaconf import DictConfig, OmegaConf
 from perf_logger import ModelFlops, PerfLogger, Profiler
-from quantization import build_quantization
 from scheduler import get_linear_schedule_with_warmup
 from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 from transformers import AutoTokenizer
 
 
 logger = logging.getLogger(__name__)
-RECIPE_DIR = Path(__file__).resolve().parent
-
-
-def recipe_path(path: str) -> Path:
-    """A path as given when it exists from the working directory, else relative to this recipe folder."""
-    return Path(path) if Path(path).exists() or Path(path).is_absolute() else RECIPE_DIR / path
-
-
-def load_model_config(cfg: DictConfig):
-    """config.json from ``model_tag``, this run's overrides, and the per-layer FP8/FP4 plan the model needs."""
-    model_dir = recipe_path(cfg.model_tag)
-    overrides = OmegaConf.to_container(cfg.model_config_overrides)
-    unknown = sorted(set(overrides) - set(NVEsmConfig.from_pretrained(model_dir).to_dict()))
-    if unknown:
-        raise ValueError(f"model_config_overrides has keys {unknown} that {model_dir}/config.json does not have")
-    config = NVEsmConfig.from_pretrained(model_dir, **overrides)
-    fp8_config, fp4_config = OmegaConf.to_container(cfg.fp8_config), OmegaConf.to_container(cfg.fp4_config)
-    plan = build_quantization(fp8_config, fp4_config, config.num_hidden_layers)
-    config.layer_precision = plan.layer_precision
-    config.validate_nv_esm()
-    return config, plan
-
-
-def to_device(batch: dict, device: torch.device) -> dict:
-    return {k: v.to(device, non_blocking=True) if isinstance(v, torch.Tensor) else v for k, v in batch.items()}
 
 
 @hydra.main(config_path="hydra_config", config_name="L0_sanity", version_base="1.3")
@@ -106,7 +81,7 @@ def main(cfg: DictConfig) -> None:
     with torch.random.fork_rng(devices=[]):  # making the iterator draws from the RNG; keep resumed runs identical
         batches = iter(dataloader)
 
-    perf = PerfLogger(cfg, model_flops, tokenizer.pad_token_id, start_step, config_name=_config_name())
+    perf = PerfLogger(cfg, model_flops, tokenizer.pad_token_id, start_step, config_name=config_name())
     profiler = Profiler(cfg.profiler, cfg.output_dir)
     train_model.train()
     step = start_step
@@ -114,7 +89,7 @@ def main(cfg: DictConfig) -> None:
         with profiler.step_context(step):
             step_loss = torch.zeros((), device=device)
             for micro_step in range(cfg.grad_acc_steps):
-                batch = to_device(next(batches), device)
+                batch = move_to_device(next(batches), device)
                 perf.count_batch(batch)
                 # Reduce-scatter gradients only after the last micro-batch; earlier ones accumulate unsharded.
                 model.set_requires_gradient_sync(micro_step == cfg.grad_acc_steps - 1)
@@ -140,16 +115,9 @@ def main(cfg: DictConfig) -> None:
     # Export a Hugging Face directory: gather the full weights (collective), written by rank 0.
     if cfg.export_final_model:
         full_state_dict = gather_full_state_dict(model, "fsdp2")
-        model.config.layer_precision = None  # the export loads anywhere: no FP8 layers, backend chosen
-        model.config.backend = "auto"  # by the machine that loads it
-        extra_files = [RECIPE_DIR / "modeling_esm_te.py", RECIPE_DIR / "torch_layers.py"]
-        export_final_model(model, full_state_dict, Path(cfg.output_dir) / "final_model", tokenizer, extra_files)
+        export_final_model(model, full_state_dict, Path(cfg.output_dir) / "final_model", tokenizer)
     checkpointer.close()  # an asynchronous save must land before the process exits
     cleanup_distributed()
-
-
-def _config_name() -> str:
-    return hydra.core.hydra_config.HydraConfig.get().job.config_name
 
 
 if __name__ == "__main__":
