@@ -225,10 +225,10 @@ def pack_inputs(
         tokens = input_ids.reshape(-1)
         if cu_seq_lens_q.dim() != 1 or cu_seq_lens_q.numel() < 2 or cu_seq_lens_q.is_floating_point():
             raise ValueError(f"cu_seq_lens_q must be a 1-D integer tensor [sequences + 1], got {cu_seq_lens_q!r}")
-        if cu_seq_lens_k is not None and (
-            cu_seq_lens_k.shape != cu_seq_lens_q.shape or not torch.equal(cu_seq_lens_k, cu_seq_lens_q)
-        ):
-            raise ValueError("self-attention needs cu_seq_lens_k == cu_seq_lens_q")
+        if cu_seq_lens_k is not None:
+            if cu_seq_lens_k.shape != cu_seq_lens_q.shape:
+                raise ValueError("self-attention needs cu_seq_lens_k == cu_seq_lens_q")
+            _check((cu_seq_lens_k == cu_seq_lens_q).all(), "self-attention needs cu_seq_lens_k == cu_seq_lens_q")
         _check(cu_seq_lens_q[0] == 0, "cu_seq_lens_q must start at 0")
         _check(
             cu_seq_lens_q[-1] == tokens.numel(),
