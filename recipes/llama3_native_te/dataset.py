@@ -1,0 +1,250 @@
+"""DNA sequences for Llama causal-LM pre-training: read, tokenize, cut into windows, split per rank, batch, resume.
+
+``create_dataloader(data_cfg, tokenizer, dp_rank, dp_world_size, seed)`` is the entry point; ``data_cfg`` holds the
+keys of the ``dataset:`` group in ``hydra_config/defaults.yaml`` (unknown keys are an error).
+
+Sources: FASTA (``.fa``, ``.fasta``, ``.fna``, optionally ``.gz``), Parquet, or JSON lines (``.jsonl``, ``.jsonl.gz``)
+with the sequence in ``sequence_column``; a path may be a file, a directory or a glob. Every sequence is tokenized
+once (``<bos>`` + bases + ``<eos>``) and cut into windows of ``max_seq_length`` tokens that overlap by
+``window_overlap`` tokens (see ``collator.window_starts``). The recipe keeps the tokens in memory (one byte per
+base): fine for the benchmark and sanity data; stream a larger corpus through your own loader.
+
+Order: every epoch permutes all windows with ``seed + epoch``; rank ``r`` of ``n`` takes every n-th window of that
+permutation. The stream never ends (epochs follow each other), so every rank can take any number of steps.
+
+Resume: the dataset's state is the number of batches it has produced. Everything else is a pure function of the
+seed, so loading that number and replaying the index arithmetic (no tokenization) restarts at the same token,
+including the tail of a window that packing split over two batches.
+"""
+
+import glob
+import gzip
+import json
+import logging
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import pyarrow.parquet as pq
+import torch
+from collator import LabelMaker, collate_bshd, collate_thd, pack_windows, window_starts
+from torchdata.stateful_dataloader import StatefulDataLoader
+
+
+logger = logging.getLogger(__name__)
+
+FASTA_SUFFIXES = (".fa", ".fasta", ".fna")
+DEFAULTS = {
+    "path": None,
+    "format": "auto",  # auto | fasta | parquet | jsonl
+    "sequence_column": "sequence",
+    "max_seq_length": 8192,
+    "window_overlap": 0,
+    "input_format": "thd",  # thd | bshd
+    "micro_batch_size": 1,
+    "token_budget": 8192,
+    "split_samples": True,
+    "uppercase_labels": True,
+    "mask_degenerate_bases": True,
+    "shuffle": True,
+    "num_workers": 1,
+}
+
+
+# ---------------------------------------------------------------------------------------------- reading sources
+
+
+def _resolve_files(path: str) -> list[Path]:
+    if any(ch in path for ch in "*?["):
+        files = sorted(Path(p) for p in glob.glob(path))
+    elif Path(path).is_dir():
+        files = sorted(p for p in Path(path).iterdir() if p.is_file() and not p.name.startswith("."))
+    else:
+        files = [Path(path)]
+    missing = [str(f) for f in files if not f.is_file()]
+    if not files or missing:
+        raise FileNotFoundError(f"dataset.path={path!r}: no such file(s): {missing or path}")
+    return files
+
+
+def _file_format(file: Path, fmt: str) -> str:
+    if fmt != "auto":
+        return fmt
+    name = file.name.lower().removesuffix(".gz")
+    if name.endswith(FASTA_SUFFIXES):
+        return "fasta"
+    if name.endswith(".parquet"):
+        return "parquet"
+    if name.endswith((".jsonl", ".json")):
+        return "jsonl"
+    raise ValueError(f"cannot tell the format of {file}; set dataset.format to fasta, parquet or jsonl")
+
+
+def _open_text(file: Path):
+    return gzip.open(file, "rt") if file.name.endswith(".gz") else open(file)
+
+
+def _read_fasta(file: Path) -> list[str]:
+    sequences, current = [], None
+    with _open_text(file) as fh:
+        for number, line in enumerate(fh, 1):
+            line = line.strip()
+            if line.startswith(">"):
+                if current is not None:
+                    sequences.append("".join(current))
+                current = []
+            elif line:
+                if current is None:
+                    raise ValueError(f"{file}:{number}: sequence data before the first '>' header; not FASTA")
+                current.append(line)
+    if current is not None:
+        sequences.append("".join(current))
+    return sequences
+
+
+def _read_column(file: Path, fmt: str, column: str) -> list[str]:
+    if fmt == "parquet":
+        table = pq.read_table(file)
+        if column not in table.column_names:
+            raise ValueError(f"{file} has no column {column!r} (columns: {table.column_names}); set sequence_column")
+        return table.column(column).to_pylist()
+    sequences = []
+    with _open_text(file) as fh:
+        for number, line in enumerate(fh, 1):
+            if not line.strip():
+                continue
+            record = json.loads(line)
+            if column not in record:
+                raise ValueError(f"{file}:{number} has no key {column!r}; set dataset.sequence_column")
+            sequences.append(record[column])
+    return sequences
+
+
+def read_sequences(path: str, fmt: str = "auto", sequence_column: str = "sequence") -> list[str]:
+    """Every sequence in ``path`` (file, directory or glob), whitespace removed; empty sequences are an error."""
+    if fmt not in ("auto", "fasta", "parquet", "jsonl"):
+        raise ValueError(f"dataset.format must be auto, fasta, parquet or jsonl, got {fmt!r}")
+    sequences = []
+    for file in _resolve_files(path):
+        kind = _file_format(file, fmt)
+        found = _read_fasta(file) if kind == "fasta" else _read_column(file, kind, sequence_column)
+        for index, sequence in enumerate(found):
+            if not isinstance(sequence, str) or not "".join(sequence.split()):
+                raise ValueError(f"{file}: sequence {index} is empty or not a string")
+        sequences += ["".join(s.split()) for s in found]
+    if not sequences:
+        raise ValueError(f"dataset.path={path!r} holds no sequences")
+    return sequences
+
+
+# ---------------------------------------------------------------------------------------------- windows and batches
+
+
+def tokenize(sequences: list[str], tokenizer) -> list[np.ndarray]:
+    """``<bos>`` + bases + ``<eos>`` per sequence, as uint8 arrays when the vocabulary allows (it does for DNA)."""
+    dtype = np.uint8 if len(tokenizer) <= 256 else np.int32
+    encoded = tokenizer(sequences, add_special_tokens=False)["input_ids"]
+    return [np.array([tokenizer.bos_token_id, *ids, tokenizer.eos_token_id], dtype=dtype) for ids in encoded]
+
+
+class GenomicBatches(torch.utils.data.IterableDataset):
+    """An endless, resumable stream of training batches for one data-parallel rank."""
+
+    def __init__(self, tokens: list[np.ndarray], tokenizer, cfg: dict, dp_rank: int, dp_world_size: int, seed: int):
+        self.tokens, self.cfg, self.seed = tokens, cfg, seed
+        self.dp_rank, self.dp_world_size = dp_rank, dp_world_size
+        self.windows = [
+            (index, start)
+            for index, seq in enumerate(tokens)
+            for start in window_starts(len(seq), cfg["max_seq_length"], cfg["window_overlap"])
+        ]
+        if len(self.windows) < dp_world_size:
+            raise ValueError(f"{len(self.windows)} windows cannot be split over {dp_world_size} data-parallel ranks")
+        self.labels = LabelMaker(tokenizer, cfg["uppercase_labels"], cfg["mask_degenerate_bases"])
+        self.pad_token_id = tokenizer.pad_token_id
+        self.batches_done = 0  # the whole resumable state
+
+    def _window_stream(self):
+        length = self.cfg["max_seq_length"]
+        epoch = 0
+        while True:
+            order = np.arange(len(self.windows))
+            if self.cfg["shuffle"]:
+                order = np.random.default_rng([self.seed, epoch]).permutation(len(self.windows))
+            for position in order[self.dp_rank :: self.dp_world_size]:
+                index, start = self.windows[position]
+                yield self.tokens[index][start : start + length]
+            epoch += 1
+
+    def _batch_stream(self):
+        windows = self._window_stream()
+        if self.cfg["input_format"] == "thd":
+            for pieces in pack_windows(windows, self.cfg["token_budget"], self.cfg["split_samples"]):
+                yield lambda pieces=pieces: collate_thd(pieces, self.labels)
+        else:
+            while True:
+                group = [next(windows) for _ in range(self.cfg["micro_batch_size"])]
+                yield lambda group=group: collate_bshd(group, self.labels, self.pad_token_id)
+
+    def __iter__(self):
+        skip = self.batches_done
+        for number, make_batch in enumerate(self._batch_stream()):
+            if number < skip:  # replay to the resumed position without building those batches
+                continue
+            self.batches_done = number + 1
+            yield make_batch()
+
+    def state_dict(self) -> dict[str, int]:
+        return {"batches_done": self.batches_done}
+
+    def load_state_dict(self, state: dict[str, int]) -> None:
+        self.batches_done = int(state["batches_done"])
+
+
+def validate_data_config(data_cfg: Any) -> dict:
+    """The ``dataset`` config as a plain dict with defaults filled in; unknown keys and bad values are errors."""
+    cfg = dict(data_cfg)
+    unknown = sorted(set(cfg) - set(DEFAULTS))
+    if unknown:
+        raise ValueError(f"unknown dataset config keys {unknown}; known: {sorted(DEFAULTS)}")
+    cfg = {**DEFAULTS, **cfg}
+    if not cfg["path"]:
+        raise ValueError("dataset.path is required")
+    if cfg["input_format"] not in ("thd", "bshd"):
+        raise ValueError(f"dataset.input_format must be thd or bshd, got {cfg['input_format']!r}")
+    if cfg["max_seq_length"] < 2:
+        raise ValueError(f"dataset.max_seq_length must be at least 2, got {cfg['max_seq_length']}")
+    if not 0 <= cfg["window_overlap"] < cfg["max_seq_length"]:
+        raise ValueError(
+            f"dataset.window_overlap must be in [0, max_seq_length={cfg['max_seq_length']}), "
+            f"got {cfg['window_overlap']}"
+        )
+    if cfg["micro_batch_size"] < 1 or cfg["token_budget"] < 1:
+        raise ValueError("dataset.micro_batch_size and dataset.token_budget must be positive")
+    if cfg["input_format"] == "thd" and not cfg["split_samples"] and cfg["token_budget"] < cfg["max_seq_length"]:
+        raise ValueError("without split_samples, token_budget must hold a whole window (>= max_seq_length)")
+    if cfg["num_workers"] not in (0, 1):
+        raise ValueError("dataset.num_workers must be 0 or 1 (one stateful stream per rank)")
+    return cfg
+
+
+def create_dataloader(data_cfg: Any, tokenizer, dp_rank: int = 0, dp_world_size: int = 1, seed: int = 42):
+    """A ``StatefulDataLoader`` over this rank's batches: save ``state_dict()`` with a checkpoint to resume exactly."""
+    cfg = validate_data_config(data_cfg)
+    sequences = read_sequences(str(cfg["path"]), cfg["format"], cfg["sequence_column"])
+    tokens = tokenize(sequences, tokenizer)
+    dataset = GenomicBatches(tokens, tokenizer, cfg, dp_rank, dp_world_size, seed)
+    logger.info(
+        "Data: %d sequences, %d bases, %d windows of <= %d tokens",
+        len(tokens),
+        sum(len(t) - 2 for t in tokens),
+        len(dataset.windows),
+        cfg["max_seq_length"],
+    )
+    return StatefulDataLoader(
+        dataset,
+        batch_size=None,
+        num_workers=cfg["num_workers"],
+        pin_memory=torch.cuda.is_available(),
+        persistent_workers=cfg["num_workers"] > 0,
+    )

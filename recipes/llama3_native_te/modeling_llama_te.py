@@ -1,0 +1,625 @@
+# Copied from models/llama3/llama3_te/modeling_llama_te.py — edit the source, then run ci/check_copies.py --fix
+"""Llama 3 with TransformerEngine layers, Hugging Face compatible, that also runs without TE.
+
+The architecture is Hugging Face's ``LlamaForCausalLM`` (pre-RMSNorm decoder, rotary embeddings with optional
+Llama 3 frequency scaling, SwiGLU MLP, grouped-query attention, final RMSNorm, tied or untied LM head). Two
+backends build it with the same parameter names and state-dict keys:
+
+* ``te``: ``transformer_engine.pytorch.TransformerLayer`` (fused QKV, fused attention, FP8/FP4 recipes);
+* ``torch``: the pure-PyTorch twins in ``torch_layers.py``, used on CPUs and wherever TE is missing.
+
+``config.backend`` chooses: ``auto`` (TE when it imports and CUDA is available), ``te`` or ``torch``.
+
+Inputs come as BSHD (``input_ids`` [batch, seq] + ``attention_mask``, left or right padding) or THD (packed
+``input_ids`` [1, tokens] with ``cu_seq_lens_q/k`` and ``max_length_q/k``). Training and scoring always run on
+packed tokens: BSHD input is unpadded on the way in and re-padded on the way out, and rotary positions restart
+at each sequence's first real token (what ``generate`` computes from the attention mask for left padding).
+
+Generation: on the torch backend ``generate`` keeps a Hugging Face ``DynamicCache`` of per-layer keys/values and
+decodes one token at a time (greedy, sampling, beam search). On the TE backend the cache is not used yet: every
+step recomputes the whole prefix (correct, slower); see ``NVLlamaForCausalLM.supports_kv_cache``.
+
+This file is self-contained apart from ``torch_layers.py`` beside it, so it can be copied into a recipe and
+shipped inside an exported checkpoint (``trust_remote_code=True``).
+"""
+
+import contextlib
+import math
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+from transformers import GenerationMixin, LlamaConfig, PreTrainedModel
+from transformers.cache_utils import Cache, DynamicCache
+from transformers.modeling_outputs import BaseModelOutputWithPast, CausalLMOutputWithPast
+
+
+try:  # package import (models/llama3, exported checkpoints)
+    from .torch_layers import TransformerLayer as TorchTransformerLayer
+except ImportError:  # flat copy inside a recipe folder
+    from torch_layers import TransformerLayer as TorchTransformerLayer
+
+try:
+    import transformer_engine.pytorch as te
+
+    _TE_IMPORT_ERROR = None
+except Exception as error:  # ImportError, or a broken CUDA install raising at import
+    te = None
+    _TE_IMPORT_ERROR = error
+
+
+AUTO_MAP = {
+    "AutoConfig": "modeling_llama_te.NVLlamaConfig",
+    "AutoModel": "modeling_llama_te.NVLlamaModel",
+    "AutoModelForCausalLM": "modeling_llama_te.NVLlamaForCausalLM",
+}
+
+BACKENDS = ("auto", "te", "torch")
+LAYER_PRECISIONS = (None, "fp8", "fp4")
+ROPE_TYPES = ("default", "llama3")
+_LLAMA3_ROPE_KEYS = ("factor", "low_freq_factor", "high_freq_factor", "original_max_position_embeddings")
+
+
+class NVLlamaConfig(LlamaConfig):
+    """``LlamaConfig`` plus the backend, vocabulary padding and per-layer precision.
+
+    RoPE settings live where transformers 5 keeps them, ``config.rope_parameters`` (``rope_theta``,
+    ``rope_type`` and, for ``"llama3"``, ``factor``, ``low_freq_factor``, ``high_freq_factor``,
+    ``original_max_position_embeddings``); the legacy ``rope_scaling``/``rope_theta`` arguments are accepted.
+    """
+
+    model_type = "nv_llama"
+
+    # "auto" | "te" | "torch"; see module docstring.
+    backend: str = "auto"
+    # Embedding/LM-head rows, rounded up so the vocabulary GEMM is well aligned. None: vocab_size rounded to 64.
+    padded_vocab_size: int | None = None
+    # One entry per layer: None (bf16/fp32), "fp8" or "fp4"; the matching TE recipe is passed to the model.
+    layer_precision: list | None = None
+
+    def __post_init__(self, **kwargs):
+        super().__post_init__(**kwargs)
+        if self.padded_vocab_size is None and self.vocab_size is not None:
+            self.padded_vocab_size = 64 * math.ceil(self.vocab_size / 64)
+        self.validate_nv_llama()
+
+    def validate_nv_llama(self) -> None:
+        """Raise ``ValueError`` naming the first setting this implementation cannot honour."""
+        problems = []
+        if self.backend not in BACKENDS:
+            problems.append(f"backend must be one of {BACKENDS}, got {self.backend!r}")
+        if self.hidden_act != "silu":
+            problems.append(f"only hidden_act='silu' (SwiGLU) is supported, got {self.hidden_act!r}")
+        if self.attention_bias or self.mlp_bias:
+            problems.append("attention_bias and mlp_bias must be False (Llama 3 has no biases)")
+        if self.pretraining_tp not in (None, 1):
+            problems.append(f"pretraining_tp must be 1, got {self.pretraining_tp}")
+        if self.num_attention_heads % self.num_key_value_heads:
+            problems.append(
+                f"num_attention_heads ({self.num_attention_heads}) must be divisible by "
+                f"num_key_value_heads ({self.num_key_value_heads})"
+            )
+        if self.vocab_size is None or self.vocab_size <= 0:
+            problems.append(f"vocab_size must be positive, got {self.vocab_size!r}")
+        elif self.padded_vocab_size < self.vocab_size:
+            problems.append(f"padded_vocab_size ({self.padded_vocab_size}) < vocab_size ({self.vocab_size})")
+        rope = self.rope_parameters or {}
+        rope_type = rope.get("rope_type", "default")
+        if rope_type not in ROPE_TYPES:
+            problems.append(f"rope_type must be one of {ROPE_TYPES}, got {rope_type!r}")
+        elif rope_type == "llama3":
+            missing = [key for key in _LLAMA3_ROPE_KEYS if rope.get(key) is None]
+            if missing:
+                problems.append(f"rope_type 'llama3' needs {missing} in rope_parameters")
+        if rope.get("partial_rotary_factor", 1.0) != 1.0:
+            problems.append("partial_rotary_factor != 1 is not supported")
+        if self.layer_precision is not None:
+            if len(self.layer_precision) != self.num_hidden_layers:
+                problems.append(
+                    f"layer_precision has {len(self.layer_precision)} entries for {self.num_hidden_layers} layers"
+                )
+            bad = sorted({str(p) for p in self.layer_precision if p not in LAYER_PRECISIONS})
+            if bad:
+                problems.append(f"layer_precision entries must be None, 'fp8' or 'fp4', got {bad}")
+        if problems:
+            raise ValueError("Invalid NVLlamaConfig: " + "; ".join(problems))
+
+
+def resolve_backend(requested: str) -> str:
+    """Map ``auto`` to a concrete backend; refuse ``te`` where it cannot run."""
+    te_usable = _TE_IMPORT_ERROR is None and torch.cuda.is_available()
+    if requested == "te" and not te_usable:
+        reason = f"TransformerEngine failed to import ({_TE_IMPORT_ERROR!r})" if te is None else "no CUDA device"
+        raise RuntimeError(f"backend='te' was requested but cannot run here: {reason}. Use backend='torch' or 'auto'.")
+    if requested == "auto":
+        return "te" if te_usable else "torch"
+    return requested
+
+
+# ------------------------------------------------------------------------------------------------- packing
+
+
+@dataclass
+class PackedBatch:
+    """Tokens of a batch laid end to end, with what is needed to undo the packing."""
+
+    input_ids: torch.Tensor  # [tokens]
+    cu_seqlens: torch.Tensor  # [sequences + 1], int32
+    max_seqlen: int
+    padded_shape: tuple[int, int] | None = None  # (batch, seq) when the input was BSHD
+    token_index: torch.Tensor | None = None  # flat positions of real tokens in the BSHD input
+    num_real_tokens: int | None = None  # tokens before alignment padding was appended
+
+    def unpack(self, packed: torch.Tensor) -> torch.Tensor:
+        """[tokens, ...] -> the caller's layout: [batch, seq, ...] for BSHD (zeros at padding), [1, tokens, ...] for THD."""
+        if self.num_real_tokens is not None:
+            packed = packed[: self.num_real_tokens]
+        if self.padded_shape is None:
+            return packed.unsqueeze(0)
+        batch, seq = self.padded_shape
+        out = packed.new_zeros(batch * seq, *packed.shape[1:])
+        out[self.token_index] = packed
+        return out.view(batch, seq, *packed.shape[1:])
+
+    def next_token_labels(self, labels: torch.Tensor) -> torch.Tensor:
+        """Packed labels shifted for next-token prediction: token i is scored on label i + 1 of its own sequence;
+        the last token of every sequence (and alignment padding) gets -100."""
+        if self.padded_shape is None:
+            flat = labels.reshape(-1)
+        else:
+            flat = labels.reshape(self.padded_shape).reshape(-1)[self.token_index]
+        shifted = F.pad(flat[1:], (0, 1), value=-100)
+        last_of_sequence = (self.cu_seqlens[1:] - 1).long()
+        last_of_sequence = last_of_sequence[(last_of_sequence >= 0) & (last_of_sequence < flat.numel())]
+        shifted = shifted.index_fill(0, last_of_sequence, -100)
+        extra = self.input_ids.shape[0] - shifted.shape[0]
+        return F.pad(shifted, (0, extra), value=-100) if extra else shifted
+
+
+def _check(condition: torch.Tensor | bool, message: str) -> None:
+    """Raise on CPU; on CUDA use an asynchronous device assert so validation costs no host-device sync."""
+    if isinstance(condition, torch.Tensor):
+        if condition.device.type == "cuda":
+            torch._assert_async(condition, message)
+            return
+        condition = bool(condition)
+    if not condition:
+        raise ValueError(message)
+
+
+def pack_inputs(
+    input_ids: torch.Tensor,
+    attention_mask: torch.Tensor | None,
+    cu_seq_lens_q: torch.Tensor | None,
+    cu_seq_lens_k: torch.Tensor | None,
+    max_length_q: int | None,
+    pad_token_id: int,
+    align_to: int = 1,
+) -> PackedBatch:
+    """Validate BSHD or THD inputs and return them packed (see ``PackedBatch``)."""
+    if cu_seq_lens_q is None:
+        if cu_seq_lens_k is not None:
+            raise ValueError("cu_seq_lens_k was given without cu_seq_lens_q")
+        if input_ids.dim() != 2:
+            raise ValueError(f"BSHD input_ids must be [batch, seq], got shape {tuple(input_ids.shape)}")
+        if attention_mask is None:
+            attention_mask = torch.ones_like(input_ids)
+        if attention_mask.shape != input_ids.shape:
+            raise ValueError(f"attention_mask {tuple(attention_mask.shape)} != input_ids {tuple(input_ids.shape)}")
+        if attention_mask.dtype != torch.bool:
+            _check(((attention_mask == 0) | (attention_mask == 1)).all(), "attention_mask must hold only 0 and 1")
+        keep = attention_mask.reshape(-1).bool()
+        token_index = keep.nonzero().squeeze(-1)
+        lengths = attention_mask.bool().sum(dim=1, dtype=torch.int32)
+        cu_seqlens = F.pad(lengths.cumsum(0, dtype=torch.int32), (1, 0))
+        packed = PackedBatch(
+            input_ids.reshape(-1)[token_index], cu_seqlens, input_ids.shape[1], tuple(input_ids.shape), token_index
+        )
+    else:
+        if attention_mask is not None:
+            raise ValueError("THD input (cu_seq_lens_q) takes no attention_mask: sequence boundaries mark the padding")
+        if input_ids.dim() == 2 and input_ids.shape[0] != 1:
+            raise ValueError(f"THD input_ids must be [1, tokens] or [tokens], got shape {tuple(input_ids.shape)}")
+        tokens = input_ids.reshape(-1)
+        if cu_seq_lens_q.dim() != 1 or cu_seq_lens_q.numel() < 2 or cu_seq_lens_q.is_floating_point():
+            raise ValueError(f"cu_seq_lens_q must be a 1-D integer tensor [sequences + 1], got {cu_seq_lens_q!r}")
+        if cu_seq_lens_k is not None:
+            if cu_seq_lens_k.shape != cu_seq_lens_q.shape:
+                raise ValueError("self-attention needs cu_seq_lens_k == cu_seq_lens_q")
+            _check((cu_seq_lens_k == cu_seq_lens_q).all(), "self-attention needs cu_seq_lens_k == cu_seq_lens_q")
+        _check(cu_seq_lens_q[0] == 0, "cu_seq_lens_q must start at 0")
+        _check(
+            cu_seq_lens_q[-1] == tokens.numel(),
+            f"cu_seq_lens_q must end at the number of tokens ({tokens.numel()}); "
+            + (f"it ends at {int(cu_seq_lens_q[-1])}" if cu_seq_lens_q.device.type == "cpu" else "it does not"),
+        )
+        _check((cu_seq_lens_q[1:] >= cu_seq_lens_q[:-1]).all(), "cu_seq_lens_q must be non-decreasing")
+        cu_seqlens = cu_seq_lens_q.to(torch.int32)
+        if max_length_q is None:  # costs a host-device sync; collators pass it
+            max_length_q = int((cu_seqlens[1:] - cu_seqlens[:-1]).max())
+        packed = PackedBatch(tokens, cu_seqlens, int(max_length_q))
+
+    remainder = packed.input_ids.numel() % align_to
+    if remainder:  # FP8 GEMMs need token counts divisible by 16: append one padding pseudo-sequence
+        extra = align_to - remainder
+        packed.num_real_tokens = packed.input_ids.numel()
+        packed.input_ids = F.pad(packed.input_ids, (0, extra), value=pad_token_id)
+        packed.cu_seqlens = torch.cat([packed.cu_seqlens, packed.cu_seqlens[-1:] + extra])
+        packed.max_seqlen = max(packed.max_seqlen, extra)
+    return packed
+
+
+# ------------------------------------------------------------------------------------------------- layers
+
+
+def rope_inverse_frequencies(config: NVLlamaConfig, device=None) -> torch.Tensor:
+    """Llama's inverse frequencies, with the Llama 3 (3.1) long-context scaling when rope_type is ``llama3``."""
+    rope = config.rope_parameters or {}
+    base = rope.get("rope_theta", getattr(config, "rope_theta", None) or 10000.0)
+    dim = config.head_dim
+    inv_freq = 1.0 / (base ** (torch.arange(0, dim, 2, dtype=torch.int64, device=device).float() / dim))
+    if rope.get("rope_type", "default") != "llama3":
+        return inv_freq
+    factor, low, high = rope["factor"], rope["low_freq_factor"], rope["high_freq_factor"]
+    old_context = rope["original_max_position_embeddings"]
+    wavelength = 2 * math.pi / inv_freq
+    # Long wavelengths (low frequencies) are slowed by `factor`, short ones kept, the band between interpolated.
+    smooth = (old_context / wavelength - low) / (high - low)
+    interpolated = (1 - smooth) * inv_freq / factor + smooth * inv_freq
+    scaled = torch.where(wavelength > old_context / low, inv_freq / factor, inv_freq)
+    is_medium = (wavelength >= old_context / high) & (wavelength <= old_context / low)
+    return torch.where(is_medium, interpolated, scaled)
+
+
+class NVLlamaRotaryEmbedding(nn.Module):
+    """Rotary frequencies as TE expects them: [seq, 1, 1, head_dim] in float32 (cat(freqs, freqs) layout)."""
+
+    def __init__(self, config: NVLlamaConfig):
+        super().__init__()
+        self.config = config
+        self.head_dim = config.head_dim
+        self.register_buffer("inv_freq", rope_inverse_frequencies(config), persistent=False)
+
+    def reset_parameters(self) -> None:
+        self.inv_freq = rope_inverse_frequencies(self.config, self.inv_freq.device)
+
+    def forward(self, max_seqlen: int) -> torch.Tensor:
+        positions = torch.arange(max_seqlen, device=self.inv_freq.device, dtype=torch.float32)
+        freqs = torch.outer(positions, self.inv_freq)
+        return torch.cat((freqs, freqs), dim=-1).view(max_seqlen, 1, 1, self.head_dim)
+
+
+def _build_layers(config: NVLlamaConfig, backend: str) -> nn.ModuleList:
+    layer_class = te.TransformerLayer if backend == "te" else TorchTransformerLayer
+    std = config.initializer_range
+
+    def init_method(weight: torch.Tensor) -> None:
+        nn.init.normal_(weight, mean=0.0, std=std)
+
+    device_kwargs = {}
+    if backend == "te":  # TE allocates on CUDA unless told otherwise; honour a meta-device context
+        device_kwargs["device"] = "meta" if torch.empty(0).device.type == "meta" else "cuda"
+    return nn.ModuleList(
+        layer_class(
+            hidden_size=config.hidden_size,
+            ffn_hidden_size=config.intermediate_size,
+            num_attention_heads=config.num_attention_heads,
+            num_gqa_groups=config.num_key_value_heads,
+            kv_channels=config.head_dim,
+            layernorm_epsilon=config.rms_norm_eps,
+            hidden_dropout=0.0,
+            attention_dropout=config.attention_dropout or 0.0,
+            init_method=init_method,
+            output_layer_init_method=init_method,
+            layer_number=index + 1,
+            self_attn_mask_type="padding_causal",
+            layer_type="encoder",  # TE's name for a self-attention-only block (no cross-attention)
+            normalization="RMSNorm",
+            activation="swiglu",
+            bias=False,
+            fuse_qkv_params=True,
+            qkv_weight_interleaved=True,
+            attn_input_format="thd",
+            params_dtype=config.dtype if isinstance(config.dtype, torch.dtype) else torch.float32,
+            **device_kwargs,
+        )
+        for index in range(config.num_hidden_layers)
+    )
+
+
+class RMSNorm(nn.Module):
+    """Llama's final RMSNorm (statistics in float32), parameter ``weight``."""
+
+    def __init__(self, hidden_size: int, eps: float):
+        super().__init__()
+        self.weight = nn.Parameter(torch.ones(hidden_size))
+        self.eps = eps
+
+    def forward(self, hidden: torch.Tensor) -> torch.Tensor:
+        x = hidden.float()
+        x = x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + self.eps)
+        return self.weight * x.to(hidden.dtype)
+
+
+def _is_backend_layer(module: nn.Module) -> bool:
+    """A TE or torch_layers module that owns parameters and knows how to initialise them."""
+    origin = type(module).__module__
+    return (
+        hasattr(module, "reset_parameters")
+        and (origin.startswith("transformer_engine") or origin == TorchTransformerLayer.__module__)
+        and any(True for _ in module.parameters(recurse=False))
+    )
+
+
+class NVLlamaPreTrainedModel(PreTrainedModel):
+    config_class = NVLlamaConfig
+    config: NVLlamaConfig
+    base_model_prefix = "model"
+    _no_split_modules = ["TransformerLayer"]
+    # TE keeps FP8 scaling state in `_extra_state`; it is runtime bookkeeping, not part of a published model.
+    _keys_to_ignore_on_load_missing = [r"_extra_state"]
+    _keys_to_ignore_on_load_unexpected = [r"_extra_state"]
+
+    @torch.no_grad()
+    def _init_weights(self, module: nn.Module) -> None:
+        std = self.config.initializer_range
+        if isinstance(module, nn.Embedding | nn.Linear):
+            nn.init.normal_(module.weight, mean=0.0, std=std)
+        elif isinstance(module, RMSNorm):
+            nn.init.ones_(module.weight)
+        elif isinstance(module, NVLlamaRotaryEmbedding) or _is_backend_layer(module):
+            module.reset_parameters()
+
+    def init_empty_weights(self, device: torch.device | str | None = None) -> None:
+        """Materialise a meta-device model (FSDP2-sharded or not) on ``device`` and initialise every weight.
+
+        Build the model under ``torch.device("meta")``, shard it, then call this: parameters are allocated
+        shard by shard and initialised with the same distributions as direct construction.
+        """
+        if device is None:
+            device = torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available() else "cpu"
+        self.to_empty(device=device)
+        for module in self.modules():
+            self._init_weights(module)
+        if self.config.tie_word_embeddings:
+            self.tie_weights()
+
+
+@dataclass
+class _CachedStep:
+    """What the torch twin layers need for one cached decoding step (see ``torch_layers.py``)."""
+
+    cache: Cache
+    positions: torch.Tensor  # [batch, new_tokens] rotary positions
+
+    def update(self, layer_number: int, key: torch.Tensor, value: torch.Tensor):
+        # Hugging Face caches hold [batch, heads, seq, head_dim]; the twin layers work in [batch, seq, heads, dim].
+        keys, values = self.cache.update(key.transpose(1, 2), value.transpose(1, 2), layer_number - 1)
+        return keys.transpose(1, 2), values.transpose(1, 2)
+
+
+class NVLlamaModel(NVLlamaPreTrainedModel):
+    """The Llama decoder stack. ``forward`` returns ``last_hidden_state`` in the caller's layout."""
+
+    def __init__(self, config: NVLlamaConfig, fp8_recipe=None, fp4_recipe=None):
+        super().__init__(config)
+        self.backend = resolve_backend(config.backend)
+        self.embed_tokens = nn.Embedding(config.padded_vocab_size, config.hidden_size, config.pad_token_id)
+        self.layers = _build_layers(config, self.backend)
+        self.norm = RMSNorm(config.hidden_size, eps=config.rms_norm_eps)
+        self.rotary_emb = NVLlamaRotaryEmbedding(config)
+        self.layer_precision = list(config.layer_precision or [None] * config.num_hidden_layers)
+        self._recipes = {"fp8": fp8_recipe, "fp4": fp4_recipe}
+        for precision in set(self.layer_precision) - {None}:
+            if self._recipes[precision] is None:
+                raise ValueError(f"config.layer_precision asks for {precision} but no {precision}_recipe was passed")
+            if self.backend != "te":
+                raise ValueError(f"{precision} layers need the TransformerEngine backend (this model uses 'torch')")
+        self.post_init()
+
+    def get_input_embeddings(self) -> nn.Embedding:
+        return self.embed_tokens
+
+    def set_input_embeddings(self, value: nn.Embedding) -> None:
+        self.embed_tokens = value
+
+    def set_context_parallel_group(self, cp_group, cp_global_ranks, cp_stream, cp_comm_type: str = "p2p") -> None:
+        """Split every attention over ``cp_group`` (TE backend only)."""
+        if self.backend != "te":
+            raise RuntimeError("context parallelism needs the TransformerEngine backend")
+        for layer in self.layers:
+            layer.set_context_parallel_group(cp_group, cp_global_ranks, cp_stream, cp_comm_type)
+
+    def _precision_context(self, layer_index: int):
+        precision = self.layer_precision[layer_index]
+        if self.backend != "te" or all(p is None for p in self.layer_precision):
+            return contextlib.nullcontext()  # leave any caller-level autocast in charge
+        recipe = self._recipes.get(precision) if precision else None
+        return te.autocast(enabled=recipe is not None, recipe=recipe)
+
+    def _alignment(self) -> int:
+        return 16 if any(p is not None for p in self.layer_precision) else 1
+
+    def pack(self, input_ids, attention_mask=None, cu_seq_lens_q=None, cu_seq_lens_k=None, max_length_q=None):
+        pad = self.config.pad_token_id if self.config.pad_token_id is not None else 0
+        return pack_inputs(
+            input_ids, attention_mask, cu_seq_lens_q, cu_seq_lens_k, max_length_q, pad, self._alignment()
+        )
+
+    def forward_packed(self, packed: PackedBatch, output_hidden_states: bool = False):
+        """Run the decoder on packed tokens: returns ([tokens, hidden], tuple of per-layer inputs or None)."""
+        hidden = self.embed_tokens(packed.input_ids)
+        rotary = self.rotary_emb(packed.max_seqlen)
+        all_hidden = []
+        for index, layer in enumerate(self.layers):
+            if output_hidden_states:
+                all_hidden.append(hidden)
+            with self._precision_context(index):
+                hidden = layer(
+                    hidden,
+                    rotary_pos_emb=rotary,
+                    cu_seqlens_q=packed.cu_seqlens,
+                    cu_seqlens_kv=packed.cu_seqlens,
+                    max_seqlen_q=packed.max_seqlen,
+                    max_seqlen_kv=packed.max_seqlen,
+                )
+        hidden = self.norm(hidden)
+        if output_hidden_states:
+            all_hidden.append(hidden)
+        return hidden, (tuple(all_hidden) if output_hidden_states else None)
+
+    def forward_cached(
+        self,
+        input_ids: torch.Tensor,
+        attention_mask: torch.Tensor | None,
+        position_ids: torch.Tensor | None,
+        past_key_values: Cache,
+    ) -> torch.Tensor:
+        """One decoding step on BSHD input with a key/value cache (torch backend): returns [batch, new, hidden].
+
+        ``attention_mask`` covers cached and new tokens ([batch, past + new]), as ``generate`` passes it.
+        """
+        if self.backend != "torch":
+            raise NotImplementedError(
+                "KV-cache decoding is implemented for the torch backend only; on the TE backend generate() "
+                "recomputes the prefix at every step (use_cache=False)"
+            )
+        if input_ids.dim() != 2:
+            raise ValueError(f"cached decoding takes BSHD input_ids [batch, seq], got {tuple(input_ids.shape)}")
+        batch, new = input_ids.shape
+        past = past_key_values.get_seq_length()
+        if attention_mask is None:
+            attention_mask = torch.ones(batch, past + new, dtype=torch.long, device=input_ids.device)
+        if attention_mask.shape != (batch, past + new):
+            raise ValueError(
+                f"attention_mask must cover the {past} cached and {new} new tokens: expected {(batch, past + new)}, "
+                f"got {tuple(attention_mask.shape)}"
+            )
+        if position_ids is None:
+            position_ids = (attention_mask.long().cumsum(-1) - 1).clamp(min=0)[:, -new:]
+        position_ids = position_ids.expand(batch, new)
+        step = _CachedStep(past_key_values, position_ids)
+        rotary = self.rotary_emb(int(position_ids.max()) + 1)
+        ignore_key = ~attention_mask.bool()[:, None, None, :]  # TE convention: True where a key is masked
+        hidden = self.embed_tokens(input_ids)
+        for layer in self.layers:
+            hidden = layer(hidden, attention_mask=ignore_key, rotary_pos_emb=rotary, inference_params=step)
+        return self.norm(hidden)
+
+    def forward(
+        self,
+        input_ids: torch.Tensor,
+        attention_mask: torch.Tensor | None = None,
+        position_ids: torch.Tensor | None = None,
+        past_key_values: Cache | None = None,
+        use_cache: bool | None = None,
+        cu_seq_lens_q: torch.Tensor | None = None,
+        cu_seq_lens_k: torch.Tensor | None = None,
+        max_length_q: int | None = None,
+        max_length_k: int | None = None,
+        output_hidden_states: bool | None = None,
+        return_dict: bool | None = None,
+        **kwargs,
+    ) -> BaseModelOutputWithPast:
+        """``position_ids`` are used with a cache only; packed runs restart positions at each sequence's first
+        real token, which is what ``generate`` computes for left- or right-padded batches."""
+        if _wants_cache(past_key_values, use_cache):
+            past_key_values = past_key_values if past_key_values is not None else DynamicCache(config=self.config)
+            hidden = self.forward_cached(input_ids, attention_mask, position_ids, past_key_values)
+            return BaseModelOutputWithPast(last_hidden_state=hidden, past_key_values=past_key_values)
+        packed = self.pack(input_ids, attention_mask, cu_seq_lens_q, cu_seq_lens_k, max_length_q)
+        hidden, all_hidden = self.forward_packed(packed, bool(output_hidden_states))
+        return BaseModelOutputWithPast(
+            last_hidden_state=packed.unpack(hidden),
+            hidden_states=tuple(packed.unpack(h) for h in all_hidden) if all_hidden else None,
+        )
+
+
+def _wants_cache(past_key_values: Cache | None, use_cache: bool | None) -> bool:
+    """The cached path runs when a cache is passed or ``use_cache=True`` is explicit (``generate`` does both).
+    ``config.use_cache`` alone does not switch a training forward to it."""
+    return past_key_values is not None or use_cache is True
+
+
+def _causal_lm_loss(logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
+    """Mean cross-entropy over labelled tokens; 0 (not NaN) for a batch without any."""
+    losses = F.cross_entropy(logits.float(), labels, ignore_index=-100, reduction="sum")
+    return losses / (labels != -100).sum().clamp(min=1)
+
+
+class NVLlamaForCausalLM(NVLlamaPreTrainedModel, GenerationMixin):
+    _tied_weights_keys = {"lm_head.weight": "model.embed_tokens.weight"}
+
+    def __init__(self, config: NVLlamaConfig, fp8_recipe=None, fp4_recipe=None):
+        super().__init__(config)
+        self.model = NVLlamaModel(config, fp8_recipe=fp8_recipe, fp4_recipe=fp4_recipe)
+        # Always in the model's own dtype (never quantized): it runs outside the per-layer precision contexts.
+        self.lm_head = nn.Linear(config.hidden_size, config.padded_vocab_size, bias=False)
+        self.post_init()
+
+    @property
+    def backend(self) -> str:
+        return self.model.backend
+
+    @property
+    def supports_kv_cache(self) -> bool:
+        """Whether ``generate`` decodes with a key/value cache (torch backend) or recomputes the prefix (TE)."""
+        return self.backend == "torch"
+
+    def get_output_embeddings(self) -> nn.Linear:
+        return self.lm_head
+
+    def set_output_embeddings(self, value: nn.Linear) -> None:
+        self.lm_head = value
+
+    def _logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        # The GEMM runs over the padded vocabulary; the padding columns are cut before anyone sees them.
+        return self.lm_head(hidden)[..., : self.config.vocab_size]
+
+    def prepare_inputs_for_generation(self, input_ids, next_sequence_length=None, past_key_values=None, **kwargs):
+        if not self.supports_kv_cache:  # recompute the whole prefix every step, without a cache
+            kwargs["use_cache"] = False
+            inputs = super().prepare_inputs_for_generation(input_ids, None, None, **kwargs)
+            inputs["use_cache"] = False
+            return inputs
+        return super().prepare_inputs_for_generation(input_ids, next_sequence_length, past_key_values, **kwargs)
+
+    def forward(
+        self,
+        input_ids: torch.Tensor,
+        attention_mask: torch.Tensor | None = None,
+        position_ids: torch.Tensor | None = None,
+        past_key_values: Cache | None = None,
+        use_cache: bool | None = None,
+        labels: torch.Tensor | None = None,
+        cu_seq_lens_q: torch.Tensor | None = None,
+        cu_seq_lens_k: torch.Tensor | None = None,
+        max_length_q: int | None = None,
+        max_length_k: int | None = None,
+        output_hidden_states: bool | None = None,
+        return_dict: bool | None = None,
+        logits_to_keep: int = 0,
+        **kwargs,
+    ) -> CausalLMOutputWithPast:
+        """Next-token logits; ``labels`` are the input tokens (shifted inside, per sequence, as Hugging Face does)."""
+        if _wants_cache(past_key_values, use_cache):
+            if labels is not None:
+                raise ValueError("labels cannot be combined with a KV cache; pass use_cache=False to compute a loss")
+            out = self.model(input_ids, attention_mask, position_ids, past_key_values, use_cache=True)
+            hidden = out.last_hidden_state
+            if logits_to_keep:
+                hidden = hidden[:, -logits_to_keep:]
+            return CausalLMOutputWithPast(logits=self._logits(hidden), past_key_values=out.past_key_values)
+        packed = self.model.pack(input_ids, attention_mask, cu_seq_lens_q, cu_seq_lens_k, max_length_q)
+        hidden, all_hidden = self.model.forward_packed(packed, bool(output_hidden_states))
+        logits = self._logits(hidden)
+        loss = None if labels is None else _causal_lm_loss(logits, packed.next_token_labels(labels))
+        logits = packed.unpack(logits)
+        if logits_to_keep:
+            logits = logits[..., -logits_to_keep:, :]
+        return CausalLMOutputWithPast(
+            loss=loss,
+            logits=logits,
+            hidden_states=tuple(packed.unpack(h) for h in all_hidden) if all_hidden else None,
+        )

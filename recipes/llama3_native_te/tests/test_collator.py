@@ -1,0 +1,87 @@
+"""Windows, labels and packing, checked against hand-built expectations."""
+
+import numpy as np
+import pytest
+import torch
+from collator import IGNORE_INDEX, LabelMaker, collate_bshd, collate_thd, pack_windows, window_starts
+from model_setup import recipe_path
+from transformers import AutoTokenizer
+
+
+@pytest.fixture(scope="module")
+def tokenizer():
+    return AutoTokenizer.from_pretrained(recipe_path("tokenizer"))
+
+
+def ids(tokenizer, text: str) -> np.ndarray:
+    return np.array(tokenizer(text, add_special_tokens=False)["input_ids"])
+
+
+@pytest.mark.parametrize(
+    ("length", "window", "overlap", "expected"),
+    [
+        (5, 8, 0, [0]),
+        (8, 8, 2, [0]),
+        (20, 8, 0, [0, 8, 12]),  # the last window is moved back to end at 20
+        (20, 8, 2, [0, 6, 12]),  # stride 6 covers 20 exactly
+        (21, 8, 2, [0, 6, 12, 13]),
+    ],
+)
+def test_window_starts(length, window, overlap, expected):
+    starts = window_starts(length, window, overlap)
+    assert starts == expected
+    covered = set().union(*(range(s, min(s + window, length)) for s in starts))
+    assert covered == set(range(length))
+
+
+@pytest.mark.parametrize(("window", "overlap"), [(0, 0), (8, 8), (8, -1)])
+def test_window_starts_rejects_bad_settings(window, overlap):
+    with pytest.raises(ValueError):
+        window_starts(100, window, overlap)
+
+
+def test_labels_uppercase_and_mask_degenerate(tokenizer):
+    inputs = np.concatenate([[tokenizer.bos_token_id], ids(tokenizer, "ACgtNRa"), [tokenizer.eos_token_id]])
+    labels = LabelMaker(tokenizer, uppercase_labels=True, mask_degenerate_bases=True)(inputs)
+    expected = [IGNORE_INDEX, *ids(tokenizer, "ACGT"), IGNORE_INDEX, IGNORE_INDEX, *ids(tokenizer, "A")]
+    assert labels.tolist() == [*expected, tokenizer.eos_token_id]
+
+
+def test_labels_without_uppercasing_or_masking(tokenizer):
+    inputs = ids(tokenizer, "AcN")
+    assert LabelMaker(tokenizer, False, False)(inputs).tolist() == inputs.tolist()
+    assert LabelMaker(tokenizer, False, True)(inputs).tolist() == [*inputs[:2], IGNORE_INDEX]
+
+
+def test_bshd_pads_right_and_ignores_padding(tokenizer):
+    labels = LabelMaker(tokenizer)
+    batch = collate_bshd([ids(tokenizer, "ACGT"), ids(tokenizer, "GA")], labels, tokenizer.pad_token_id)
+    assert batch["input_ids"].shape == (2, 4)
+    assert batch["attention_mask"].tolist() == [[1, 1, 1, 1], [1, 1, 0, 0]]
+    assert batch["input_ids"][1, 2:].tolist() == [tokenizer.pad_token_id] * 2
+    assert batch["labels"][1].tolist() == [*ids(tokenizer, "GA"), IGNORE_INDEX, IGNORE_INDEX]
+
+
+def test_packing_splits_windows_to_fill_the_budget_exactly():
+    windows = [np.arange(n) + 100 * i for i, n in enumerate([5, 7, 3, 9, 4])]  # 28 tokens
+    groups = list(pack_windows(iter(windows), token_budget=8))
+    assert [sum(len(p) for p in g) for g in groups] == [8, 8, 8, 4]
+    assert [[len(p) for p in g] for g in groups] == [[5, 3], [4, 3, 1], [8], [4]]
+    # Nothing lost, nothing duplicated, order kept.
+    assert np.concatenate([np.concatenate(g) for g in groups]).tolist() == np.concatenate(windows).tolist()
+
+
+def test_packing_without_splitting_moves_whole_windows():
+    windows = [np.arange(n) for n in [5, 7, 3]]
+    groups = list(pack_windows(iter(windows), token_budget=8, split_samples=False))
+    assert [[len(p) for p in g] for g in groups] == [[5], [7], [3]]
+    with pytest.raises(ValueError, match="exceeds token_budget"):
+        list(pack_windows(iter([np.arange(9)]), token_budget=8, split_samples=False))
+
+
+def test_thd_sequence_boundaries(tokenizer):
+    batch = collate_thd([ids(tokenizer, "ACG"), ids(tokenizer, "TTTTT")], LabelMaker(tokenizer))
+    assert batch["input_ids"].shape == (1, 8)
+    assert batch["cu_seq_lens_q"].tolist() == [0, 3, 8]
+    assert batch["cu_seq_lens_q"].dtype == torch.int32
+    assert batch["max_length_q"] == 5

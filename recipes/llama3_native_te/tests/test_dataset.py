@@ -1,0 +1,106 @@
+"""Reading FASTA/Parquet/JSONL, config errors, rank splitting and exact resume of the batch stream."""
+
+import gzip
+import json
+
+import numpy as np
+import pyarrow as pa
+import pyarrow.parquet as pq
+import pytest
+from dataset import create_dataloader, read_sequences
+from model_setup import recipe_path
+from transformers import AutoTokenizer
+
+
+@pytest.fixture(scope="module")
+def tokenizer():
+    return AutoTokenizer.from_pretrained(recipe_path("tokenizer"))
+
+
+SEQS = ["ACGTACGTAC", "GGGNNcccTT", "A" * 25]
+
+
+def test_reads_all_formats_alike(tmp_path):
+    fasta = tmp_path / "x.fa.gz"
+    with gzip.open(fasta, "wt") as fh:
+        for i, s in enumerate(SEQS):
+            fh.write(f">s{i} description\n{s[:4]}\n{s[4:]}\n\n")
+    pq.write_table(pa.table({"dna": SEQS}), tmp_path / "x.parquet")
+    with gzip.open(tmp_path / "x.jsonl.gz", "wt") as fh:
+        fh.writelines(json.dumps({"dna": s}) + "\n" for s in SEQS)
+    assert read_sequences(str(fasta)) == SEQS
+    assert read_sequences(str(tmp_path / "x.parquet"), sequence_column="dna") == SEQS
+    assert read_sequences(str(tmp_path / "x.jsonl.gz"), sequence_column="dna") == SEQS
+    assert read_sequences(str(tmp_path / "x.*"), sequence_column="dna") == SEQS * 3
+
+
+def test_bad_inputs_fail_clearly(tmp_path):
+    (tmp_path / "bad.fa").write_text("ACGT\n>s\nAC\n")
+    (tmp_path / "empty.jsonl").write_text('{"sequence": ""}\n')
+    (tmp_path / "x.txt").write_text("ACGT\n")
+    pq.write_table(pa.table({"seq": SEQS}), tmp_path / "x.parquet")
+    with pytest.raises(ValueError, match="before the first '>'"):
+        read_sequences(str(tmp_path / "bad.fa"))
+    with pytest.raises(ValueError, match="empty"):
+        read_sequences(str(tmp_path / "empty.jsonl"))
+    with pytest.raises(ValueError, match="cannot tell the format"):
+        read_sequences(str(tmp_path / "x.txt"))
+    with pytest.raises(ValueError, match="no column 'sequence'"):
+        read_sequences(str(tmp_path / "x.parquet"))
+    with pytest.raises(FileNotFoundError):
+        read_sequences(str(tmp_path / "missing.fa"))
+
+
+@pytest.mark.parametrize(
+    ("change", "message"),
+    [
+        ({"typo_key": 1}, "unknown dataset config keys"),
+        ({"window_overlap": 64}, "window_overlap"),
+        ({"input_format": "sbhd"}, "input_format"),
+        ({"num_workers": 4}, "num_workers"),
+    ],
+)
+def test_bad_config_fails(tokenizer, change, message):
+    cfg = {"path": str(recipe_path("data/sanity_dna.fasta")), "max_seq_length": 64, **change}
+    with pytest.raises(ValueError, match=message):
+        create_dataloader(cfg, tokenizer)
+
+
+def _cfg(tmp_path, **kw):
+    path = tmp_path / "d.jsonl"
+    rng = np.random.default_rng(0)
+    path.write_text(
+        "".join(json.dumps({"sequence": "".join(rng.choice(list("ACGT"), n))}) + "\n" for n in [50, 90, 33])
+    )
+    return {"path": str(path), "max_seq_length": 32, "window_overlap": 8, "num_workers": 0, **kw}
+
+
+def test_thd_batches_are_full_and_ranks_disjoint(tokenizer, tmp_path):
+    cfg = _cfg(tmp_path, token_budget=40)
+    firsts = []
+    for rank in range(2):
+        batches = iter(create_dataloader(cfg, tokenizer, dp_rank=rank, dp_world_size=2, seed=3))
+        batch = next(batches)
+        assert batch["input_ids"].shape == (1, 40)
+        assert int(batch["cu_seq_lens_q"][-1]) == 40
+        firsts.append(batch["input_ids"])
+    assert not np.array_equal(firsts[0], firsts[1])
+
+
+@pytest.mark.parametrize("input_format", ["thd", "bshd"])
+@pytest.mark.parametrize("num_workers", [0, 1])
+def test_resume_restarts_at_the_same_batch(tokenizer, tmp_path, input_format, num_workers):
+    cfg = _cfg(tmp_path, token_budget=40, micro_batch_size=3, input_format=input_format, num_workers=num_workers)
+    reference = iter(create_dataloader(cfg, tokenizer, seed=5))
+    expected = [next(reference)["input_ids"] for _ in range(12)]  # several epochs, windows split over batches
+
+    loader = create_dataloader(cfg, tokenizer, seed=5)
+    batches = iter(loader)
+    for _ in range(7):
+        next(batches)
+    state = loader.state_dict()
+    resumed = create_dataloader(cfg, tokenizer, seed=5)
+    resumed.load_state_dict(state)
+    got = [b["input_ids"] for _, b in zip(range(5), resumed)]
+    for a, b in zip(got, expected[7:]):
+        assert np.array_equal(a, b)
