@@ -1,0 +1,194 @@
+"""Benchmark a recipe entrypoint: run it for a fixed number of steps and report one result row.
+
+    python3 ci/benchmark.py --recipe recipes/esm2_native_te --entrypoint train_fsdp2.py --config L1_650M \\
+        --nproc 1 --steps 100 --data /data/uniref50_sample.parquet
+    python3 ci/benchmark.py ... --synthetic protein:20000          # no data at hand: realistic synthetic lengths
+    python3 ci/benchmark.py ... --override fp8_config.enabled=true --markdown docs/benchmarks.md
+
+The recipe's perf logger does the measuring (see docs/benchmarks.md for the definitions and the MFU formula):
+median unpadded tokens/s/GPU and MFU over the logged windows after warm-up, step time, peak memory. This script
+launches the run with checkpointing and export off, reads the run's ``summary.json`` and the resolved Hydra
+config, and prints the result as JSON and as a row of the docs/benchmarks.md table (``--markdown`` appends it).
+It must run on the machine being measured; it never asserts on a number.
+"""
+
+import argparse
+import datetime
+import json
+import subprocess
+import sys
+import tempfile
+from pathlib import Path
+
+import numpy as np
+
+
+REPO_ROOT = Path(__file__).resolve().parents[1]
+# UniProt amino-acid background frequencies (%), for synthetic protein sequences.
+AMINO_ACIDS = {
+    "A": 8.25, "R": 5.53, "N": 4.06, "D": 5.45, "C": 1.37, "Q": 3.93, "E": 6.75, "G": 7.07, "H": 2.27, "I": 5.96,
+    "L": 9.66, "K": 5.84, "M": 2.42, "F": 3.86, "P": 4.70, "S": 6.56, "T": 5.34, "W": 1.08, "Y": 2.92, "V": 6.87,
+}  # fmt: skip
+
+
+def synthetic_sequences(kind: str, count: int, seed: int = 0) -> list[str]:
+    """Random sequences with a realistic length distribution: proteins log-normal around ~350 residues (UniRef-like,
+    30..2000), DNA windows of 1,000..8,192 bases. Throughput depends on lengths, not on the letters."""
+    rng = np.random.default_rng(seed)
+    if kind == "protein":
+        lengths = np.clip(rng.lognormal(mean=5.6, sigma=0.7, size=count), 30, 2000).astype(int)
+        letters, weights = list(AMINO_ACIDS), np.array(list(AMINO_ACIDS.values()))
+    elif kind == "dna":
+        lengths = rng.integers(1000, 8193, size=count)
+        letters, weights = list("ACGT"), np.ones(4)
+    else:
+        raise ValueError(f"--synthetic kind must be 'protein' or 'dna', got {kind!r}")
+    probabilities = weights / weights.sum()
+    return ["".join(rng.choice(letters, size=n, p=probabilities)) for n in lengths]
+
+
+def write_synthetic_parquet(spec: str, directory: Path) -> Path:
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    kind, _, count = spec.partition(":")
+    sequences = synthetic_sequences(kind, int(count or 10_000))
+    path = directory / f"synthetic_{kind}.parquet"
+    pq.write_table(pa.table({"id": [f"seq{i}" for i in range(len(sequences))], "sequence": sequences}), path)
+    return path
+
+
+def resolved_config(recipe: Path, config: str, overrides: list[str]) -> dict:
+    """The run's Hydra config as the entrypoint composes it (named config + overrides)."""
+    from hydra import compose, initialize_config_dir
+    from omegaconf import OmegaConf
+
+    with initialize_config_dir(config_dir=str(recipe / "hydra_config"), version_base="1.3"):
+        cfg = compose(config_name=config, overrides=overrides)
+    # Unresolved: `${hydra:...}` needs a running Hydra app, and the keys read here are plain values.
+    return OmegaConf.to_container(cfg, resolve=False)
+
+
+def describe(cfg: dict) -> dict:
+    """Columns of the benchmarks table that come from the configuration rather than from the measurement."""
+    data = cfg["dataset"]
+    fp8, fp4 = cfg.get("fp8_config", {}), cfg.get("fp4_config", {})
+    if fp8.get("enabled") or fp4.get("enabled"):
+        parts = [f"fp8 {fp8.get('fp8_recipe')} layers {fp8.get('fp8_layers') or 'all'}"] if fp8.get("enabled") else []
+        parts += [f"fp4 layers {fp4.get('fp4_layers') or 'all'}"] if fp4.get("enabled") else []
+        precision = ", ".join(parts)
+    else:
+        mixed = cfg.get("mixed_precision", {})
+        precision = "bf16" + (" (fp32 master weights)" if mixed.get("fp32_master_weights") else "")
+    if data["input_format"] == "thd":
+        tokens = data["token_budget"]
+    else:
+        tokens = data["micro_batch_size"] * data["max_seq_length"]
+    cp = cfg.get("cp_size", 1)
+    return {
+        "model": Path(cfg["model_tag"]).name,
+        "input_format": data["input_format"] + (f", cp={cp}" if cp and cp > 1 else ""),
+        "precision": precision,
+        "tokens_per_micro_batch": tokens,
+        "grad_acc_steps": cfg.get("grad_acc_steps", 1),
+    }
+
+
+def markdown_row(result: dict) -> str:
+    """One row in the column order of docs/benchmarks.md."""
+    cells = [
+        result["date"],
+        result["device"],
+        result["gpus"],
+        result["model"],
+        f"`{result['recipe']}/{result['entrypoint']} --config-name {result['config']}`"
+        + (f" `{' '.join(result['overrides'])}`" if result["overrides"] else ""),
+        result["input_format"],
+        result["precision"],
+        f"{result['tokens_per_micro_batch']:,}",
+        f"{result['tokens_per_second_per_gpu']:,.0f}",
+        f"{result['step_time_s']:.3f} s",
+        f"{100 * result['mfu']:.1f}%",
+        f"{result['peak_memory_gb']:.1f} GB",
+        f"{result['steps']} steps, data: {result['data']}",
+    ]
+    return "| " + " | ".join(str(c) for c in cells) + " |"
+
+
+def run_benchmark(args: argparse.Namespace) -> dict:
+    recipe = (REPO_ROOT / args.recipe).resolve() if not Path(args.recipe).is_absolute() else Path(args.recipe)
+    if not (recipe / args.entrypoint).exists():
+        raise SystemExit(f"no entrypoint {recipe / args.entrypoint}")
+    workdir = Path(tempfile.mkdtemp(prefix="benchmark."))
+    data = Path(args.data).resolve() if args.data else write_synthetic_parquet(args.synthetic, workdir)
+    output_dir = Path(args.output_dir).resolve() if args.output_dir else workdir / "run"
+    overrides = [
+        f"output_dir={output_dir}",
+        f"dataset.path={data}",
+        f"num_train_steps={args.steps}",
+        f"logger.log_every={args.log_every}",
+        f"logger.warmup_steps={args.warmup}",
+        "checkpoint.resume=false",
+        "checkpoint.save_every=0",
+        "checkpoint.save_final=false",
+        "export_final_model=false",
+        *args.override,
+    ]
+    command = [
+        sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={args.nproc}",
+        args.entrypoint, "--config-name", args.config, *overrides,
+    ]  # fmt: skip
+    print("+", " ".join(command), flush=True)
+    subprocess.run(command, cwd=recipe, check=True)
+    summary = json.loads((output_dir / "summary.json").read_text())
+    cfg = resolved_config(recipe, args.config, overrides)
+    return {
+        "date": datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%d"),
+        "device": summary.get("device", "cpu"),
+        "gpus": summary["world_size"],
+        "recipe": recipe.name,
+        "entrypoint": args.entrypoint,
+        "config": args.config,
+        "overrides": args.override,
+        **describe(cfg),
+        "tokens_per_second_per_gpu": summary["median_tokens_per_second_per_gpu"],
+        "step_time_s": summary["median_step_time_s"],
+        "mfu": summary["median_mfu"],
+        "peak_memory_gb": summary["peak_memory_gb"],
+        "steps": summary["steps"],
+        "windows_in_medians": summary.get("logged_windows_in_medians"),
+        "data": Path(args.data).name if args.data else f"synthetic {args.synthetic}",
+    }
+
+
+def main(argv: list[str] | None = None) -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--recipe", required=True, help="recipe folder, e.g. recipes/esm2_native_te")
+    parser.add_argument("--entrypoint", default="train_fsdp2.py")
+    parser.add_argument("--config", required=True, help="Hydra config name, e.g. L1_650M")
+    parser.add_argument("--nproc", type=int, default=1, help="processes (GPUs) on this machine")
+    parser.add_argument("--steps", type=int, default=100)
+    parser.add_argument("--warmup", type=int, default=20, help="steps left out of the medians")
+    parser.add_argument("--log-every", type=int, default=10)
+    source = parser.add_mutually_exclusive_group(required=True)
+    source.add_argument("--data", help="dataset.path for the run")
+    source.add_argument("--synthetic", help="KIND[:COUNT]: protein or dna sequences with realistic lengths")
+    parser.add_argument("--override", action="append", default=[], help="extra Hydra override (repeatable)")
+    parser.add_argument("--output-dir", help="run directory (default: a temporary one)")
+    parser.add_argument("--json", type=Path, help="also write the result here")
+    parser.add_argument("--markdown", type=Path, help="append the table row to this file (docs/benchmarks.md)")
+    args = parser.parse_args(argv)
+
+    result = run_benchmark(args)
+    row = markdown_row(result)
+    print(json.dumps(result, indent=2))
+    print(row)
+    if args.json:
+        args.json.write_text(json.dumps(result, indent=2) + "\n")
+    if args.markdown:
+        with args.markdown.open("a") as handle:
+            handle.write(row + "\n")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,70 @@
+"""ci/benchmark.py: the synthetic data, the table row, and one real (tiny, CPU) run of a recipe entrypoint."""
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+
+REPO_ROOT = Path(__file__).resolve().parents[2]
+sys.path.insert(0, str(REPO_ROOT / "ci"))
+import benchmark  # noqa: E402
+
+
+def test_synthetic_protein_lengths_look_like_uniref():
+    sequences = benchmark.synthetic_sequences("protein", 2000)
+    lengths = np.array([len(s) for s in sequences])
+    assert lengths.min() >= 30 and lengths.max() <= 2000
+    assert 250 < np.median(lengths) < 350  # UniRef50 median is ~300 residues
+    assert set("".join(sequences)) <= set(benchmark.AMINO_ACIDS)
+    leucine = sum(s.count("L") for s in sequences) / lengths.sum()
+    assert abs(leucine - 0.0966) < 0.005
+
+
+def test_synthetic_dna_and_bad_kind():
+    assert all(1000 <= len(s) <= 8192 and set(s) <= set("ACGT") for s in benchmark.synthetic_sequences("dna", 20))
+    with pytest.raises(ValueError, match="protein' or 'dna'"):
+        benchmark.synthetic_sequences("rna", 5)
+
+
+def test_describe_reads_precision_and_batch_shape():
+    cfg = {
+        "model_tag": "model_configs/esm2_t33_650M_UR50D",
+        "dataset": {"input_format": "bshd", "micro_batch_size": 16, "max_seq_length": 1024, "token_budget": 1},
+        "fp8_config": {"enabled": True, "fp8_recipe": "Float8CurrentScaling", "fp8_layers": [2, 3]},
+        "fp4_config": {"enabled": False},
+        "cp_size": 2,
+    }
+    described = benchmark.describe(cfg)
+    assert described["model"] == "esm2_t33_650M_UR50D"
+    assert described["tokens_per_micro_batch"] == 16 * 1024
+    assert described["input_format"] == "bshd, cp=2"
+    assert described["precision"] == "fp8 Float8CurrentScaling layers [2, 3]"
+
+
+def test_tiny_cpu_run_reports_a_row_matching_the_benchmarks_table(tmp_path):
+    result_file = tmp_path / "result.json"
+    markdown = tmp_path / "benchmarks.md"
+    command = [
+        sys.executable, str(REPO_ROOT / "ci" / "benchmark.py"),
+        "--recipe", "recipes/esm2_native_te", "--entrypoint", "train_ddp.py", "--config", "L0_sanity",
+        "--steps", "4", "--log-every", "2", "--warmup", "2", "--synthetic", "protein:64",
+        "--override", "+model_config_overrides.num_hidden_layers=1",
+        "--json", str(result_file), "--markdown", str(markdown),
+    ]  # fmt: skip
+    subprocess.run(command, check=True, capture_output=True, text=True, timeout=300)
+    result = json.loads(result_file.read_text())
+    assert result["steps"] == 4 and result["gpus"] == 1
+    assert result["model"] == "esm2_t6_8M_UR50D" and result["input_format"] == "bshd"
+    assert result["tokens_per_micro_batch"] == 8 * 128
+    assert result["tokens_per_second_per_gpu"] > 0 and result["step_time_s"] > 0
+    header = [
+        line
+        for line in (REPO_ROOT / "docs" / "benchmarks.md").read_text().splitlines()
+        if line.startswith("| date | device")
+    ]
+    row = markdown.read_text().strip()
+    assert row.count("|") == header[0].count("|")  # same number of columns as the results table
