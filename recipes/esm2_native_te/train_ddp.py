@@ -44,9 +44,12 @@ def main(cfg: DictConfig) -> None:
     model_flops = ModelFlops.from_model(model, config.num_hidden_layers, config.hidden_size)
     logger.info("Model: %s backend, %.1fM parameters", model.backend, sum(p.numel() for p in model.parameters()) / 1e6)
 
-    ddp_model = model
+    # The model's buffers (rotary frequencies, contact-head weights) never change: no per-step broadcast.
+    ddp = None
     if dist_config.launched_by_torchrun:
-        ddp_model = DistributedDataParallel(model, device_ids=[device.index] if device.type == "cuda" else None)
+        device_ids = [device.index] if device.type == "cuda" else None
+        ddp = DistributedDataParallel(model, device_ids=device_ids, broadcast_buffers=False)
+    ddp_model = ddp or model
     if cfg.use_torch_compile:
         ddp_model = torch.compile(ddp_model)
     use_bf16 = cfg.mixed_precision.enabled and (device.type == "cuda" or cfg.mixed_precision.on_cpu)
@@ -78,7 +81,7 @@ def main(cfg: DictConfig) -> None:
                 perf.count_batch(batch)
                 # Gradients are all-reduced only on the last micro-batch; earlier ones accumulate locally.
                 last = micro_step == cfg.grad_acc_steps - 1
-                sync = nullcontext() if last or ddp_model is model else ddp_model.no_sync()
+                sync = nullcontext() if last or ddp is None else ddp.no_sync()
                 with sync:
                     with torch.autocast(device.type, dtype=torch.bfloat16, enabled=use_bf16):
                         loss = ddp_model(**batch).loss / cfg.grad_acc_steps
