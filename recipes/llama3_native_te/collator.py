@@ -48,7 +48,10 @@ class LabelMaker:
     def __init__(self, tokenizer, uppercase_labels: bool = True, mask_degenerate_bases: bool = True):
         size = max(len(tokenizer), max(tokenizer.get_vocab().values()) + 1)
         table = np.arange(size, dtype=np.int64)
-        ids = {token: tokenizer.convert_tokens_to_ids(token) for token in BASES + BASES.lower()}
+        if not (uppercase_labels or mask_degenerate_bases):  # natural language: labels are the inputs
+            ids = {}
+        else:
+            ids = {token: tokenizer.convert_tokens_to_ids(token) for token in BASES + BASES.lower()}
         if uppercase_labels:
             for base in BASES:
                 table[ids[base.lower()]] = ids[base]
@@ -56,7 +59,8 @@ class LabelMaker:
             keep = set(ids.values()) | {tokenizer.eos_token_id}
             table[[i for i in range(size) if i not in keep]] = IGNORE_INDEX
         table[tokenizer.bos_token_id] = IGNORE_INDEX
-        table[tokenizer.pad_token_id] = IGNORE_INDEX
+        if tokenizer.pad_token_id is not None:
+            table[tokenizer.pad_token_id] = IGNORE_INDEX
         self.table = table
 
     def __call__(self, input_ids: np.ndarray) -> np.ndarray:

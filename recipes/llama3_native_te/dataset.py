@@ -46,6 +46,7 @@ DEFAULTS = {
     "split_samples": True,
     "uppercase_labels": True,
     "mask_degenerate_bases": True,
+    "strip_whitespace": True,
     "shuffle": True,
     "num_workers": 1,
 }
@@ -120,8 +121,13 @@ def _read_column(file: Path, fmt: str, column: str) -> list[str]:
     return sequences
 
 
-def read_sequences(path: str, fmt: str = "auto", sequence_column: str = "sequence") -> list[str]:
-    """Every sequence in ``path`` (file, directory or glob), whitespace removed; empty sequences are an error."""
+def read_sequences(
+    path: str, fmt: str = "auto", sequence_column: str = "sequence", strip_whitespace: bool = True
+) -> list[str]:
+    """Every sequence in ``path`` (file, directory or glob); empty sequences are an error.
+
+    ``strip_whitespace`` removes line breaks and spaces inside a sequence (DNA); keep it off for natural language.
+    """
     if fmt not in ("auto", "fasta", "parquet", "jsonl"):
         raise ValueError(f"dataset.format must be auto, fasta, parquet or jsonl, got {fmt!r}")
     sequences = []
@@ -129,9 +135,9 @@ def read_sequences(path: str, fmt: str = "auto", sequence_column: str = "sequenc
         kind = _file_format(file, fmt)
         found = _read_fasta(file) if kind == "fasta" else _read_column(file, kind, sequence_column)
         for index, sequence in enumerate(found):
-            if not isinstance(sequence, str) or not "".join(sequence.split()):
+            if not isinstance(sequence, str) or not sequence.strip():
                 raise ValueError(f"{file}: sequence {index} is empty or not a string")
-        sequences += ["".join(s.split()) for s in found]
+        sequences += ["".join(s.split()) for s in found] if strip_whitespace else found
     if not sequences:
         raise ValueError(f"dataset.path={path!r} holds no sequences")
     return sequences
@@ -161,7 +167,8 @@ class GenomicBatches(torch.utils.data.IterableDataset):
         if len(self.windows) < dp_world_size:
             raise ValueError(f"{len(self.windows)} windows cannot be split over {dp_world_size} data-parallel ranks")
         self.labels = LabelMaker(tokenizer, cfg["uppercase_labels"], cfg["mask_degenerate_bases"])
-        self.pad_token_id = tokenizer.pad_token_id
+        # Tokenizers without a pad token (Llama 3's) pad BSHD batches with <eos>; padding is never a target anyway.
+        self.pad_token_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
         self.batches_done = 0  # the whole resumable state
 
     def _window_stream(self):
@@ -231,7 +238,7 @@ def validate_data_config(data_cfg: Any) -> dict:
 def create_dataloader(data_cfg: Any, tokenizer, dp_rank: int = 0, dp_world_size: int = 1, seed: int = 42):
     """A ``StatefulDataLoader`` over this rank's batches: save ``state_dict()`` with a checkpoint to resume exactly."""
     cfg = validate_data_config(data_cfg)
-    sequences = read_sequences(str(cfg["path"]), cfg["format"], cfg["sequence_column"])
+    sequences = read_sequences(str(cfg["path"]), cfg["format"], cfg["sequence_column"], cfg["strip_whitespace"])
     tokens = tokenize(sequences, tokenizer)
     dataset = GenomicBatches(tokens, tokenizer, cfg, dp_rank, dp_world_size, seed)
     logger.info(

@@ -35,3 +35,8 @@ def load_model_config(cfg: DictConfig) -> tuple[NVLlamaConfig, QuantizationPlan]
 def config_name() -> str:
     """The Hydra config this run started from (recorded in summary.json)."""
     return hydra.core.hydra_config.HydraConfig.get().job.config_name
+
+
+def pad_token_id(tokenizer) -> int:
+    """What padding looks like in a batch: the tokenizer's pad token, or ``<eos>`` for tokenizers without one."""
+    return tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id

@@ -1,6 +1,6 @@
 """Write the recipe's tiny synthetic DNA datasets (deterministic; about 140 KB in all).
 
-- ``data/sanity_dna.fasta``: 64 sequences of 2,000 bases from one order-4 Markov chain in which each 4-base
+- ``data/sanity_dna.fasta``: 64 sequences of 2,000 bases from one order-2 Markov chain in which each 2-base
   context picks one preferred next base with probability 0.85 (the others 0.05 each). Its entropy rate is
   -(0.85 ln 0.85 + 3 * 0.05 ln 0.05) ~ 0.59 nats per base, far below ln 4 ~ 1.39 for independent bases: a model
   below ~1.2 nats is using context. About 5% of the bases sit in lowercase (soft-masked) stretches and some
@@ -21,7 +21,7 @@ DATA_DIR = Path(__file__).resolve().parent.parent / "data"
 BASES = np.array(list("ACGT"))
 
 
-def markov_sequences(rng: np.random.Generator, count: int, length: int, order: int = 4) -> list[str]:
+def markov_sequences(rng: np.random.Generator, count: int, length: int, order: int = 2) -> list[str]:
     preferred = rng.integers(0, 4, size=4**order)
     sequences = []
     for _ in range(count):

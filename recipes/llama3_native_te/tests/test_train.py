@@ -1,0 +1,104 @@
+"""End-to-end runs of the training scripts on CPU, launched the way a user launches them.
+
+The tiny Llama (2 layers, hidden 128) trains on the shipped synthetic DNA. References are independent of the code
+under test: the loss must fall below ln 4 ~ 1.39 nats (independent bases; lower needs context), gradient
+accumulation must equal one larger batch, an interrupted run must match an uninterrupted one, and the export must
+give the logits of the weights the checkpoint holds.
+"""
+
+import json
+from pathlib import Path
+
+import pytest
+import torch
+from launch import run_script
+from modeling_llama_te import NVLlamaConfig, NVLlamaForCausalLM
+from safetensors.torch import load_file
+from transformers import AutoConfig, AutoModelForCausalLM
+
+
+FAST = [
+    "dataset.max_seq_length=128",
+    "dataset.window_overlap=0",
+    "adamw_kwargs.lr=5e-3",
+    "lr_scheduler_kwargs.num_decay_steps=70",
+    "logger.log_every=10",
+]
+LOSS_THRESHOLD = 1.0  # ln 4 = 1.386 for independent bases; the chain's entropy rate is ~0.59
+
+
+def train(script: str, output_dir: Path, *overrides: str, nproc: int | None = None) -> list[dict]:
+    run_script(script, f"output_dir={output_dir}", *FAST, *overrides, nproc=nproc)
+    return read_metrics(output_dir)
+
+
+def read_metrics(output_dir: Path) -> list[dict]:
+    return [json.loads(line) for line in (output_dir / "metrics.jsonl").read_text().splitlines()]
+
+
+def exported_weights(output_dir: Path) -> dict[str, torch.Tensor]:
+    return load_file(output_dir / "final_model" / "model.safetensors")
+
+
+def test_ddp_one_process_learns_and_export_reloads(tmp_path):
+    metrics = train("train_ddp.py", tmp_path, "num_train_steps=80")
+    assert metrics[0]["loss"] > 3.0  # ln(256) ~ 5.5 at random init
+    assert metrics[-1]["step"] == 80 and metrics[-1]["loss"] < LOSS_THRESHOLD, metrics
+
+    # The export, loaded the way a user does, gives the logits of the weights the checkpoint holds.
+    export_dir = tmp_path / "final_model"
+    config = AutoConfig.from_pretrained(export_dir, trust_remote_code=True, backend="torch")
+    exported = AutoModelForCausalLM.from_pretrained(export_dir, config=config, trust_remote_code=True).eval()
+    reference = NVLlamaForCausalLM(NVLlamaConfig.from_pretrained(export_dir, backend="torch"))
+    reference.load_state_dict(torch.load(tmp_path / "checkpoints/step_80/train_state.pt", weights_only=True)["model"])
+    reference.eval()
+    input_ids = torch.tensor([[1, *b"ACGTTGCAACGTAAGG"]])
+    with torch.no_grad():
+        torch.testing.assert_close(exported(input_ids).logits, reference(input_ids).logits, rtol=0, atol=0)
+
+
+def test_fsdp2_two_processes_learn(tmp_path):
+    metrics = train("train_fsdp2.py", tmp_path, "num_train_steps=80", "export_final_model=false", nproc=2)
+    assert metrics[-1]["step"] == 80 and metrics[-1]["loss"] < LOSS_THRESHOLD, metrics
+
+
+@pytest.mark.parametrize("script", ["train_ddp.py", "train_fsdp2.py"])
+def test_grad_accumulation_equals_one_larger_batch(tmp_path, script):
+    """2 micro-batches of 2 windows per rank == 1 micro-batch of 4 (equal-length windows, so equal token counts)."""
+    common = [
+        "dataset.path=data/overfit_dna.jsonl",
+        "dataset.input_format=bshd",
+        "dataset.max_seq_length=256",
+        "num_train_steps=2",
+        "adamw_kwargs.eps=1e-3",  # Adam divides by sqrt(v) + eps: keep float noise in tiny gradients from flipping signs
+        "checkpoint.save_final=false",
+    ]
+    train(script, tmp_path / "acc", *common, "dataset.micro_batch_size=2", "grad_acc_steps=2", nproc=2)
+    train(script, tmp_path / "big", *common, "dataset.micro_batch_size=4", "grad_acc_steps=1", nproc=2)
+    accumulated, single = exported_weights(tmp_path / "acc"), exported_weights(tmp_path / "big")
+    initial = NVLlamaForCausalLM(NVLlamaConfig.from_pretrained("model_configs/llama3-tiny-nucleotide")).state_dict()
+    for key, value in single.items():
+        torch.testing.assert_close(accumulated[key], value, rtol=1e-5, atol=1e-6, msg=key)
+    assert any(not torch.equal(single[k], initial[k]) for k in single)  # the step did change the weights
+
+
+def test_stop_and_go_matches_an_uninterrupted_run(tmp_path):
+    """Packed batches split windows over batch boundaries: the resumed run must start mid-window, exactly."""
+    overrides = ["dataset.token_budget=500", "lr_scheduler_kwargs.num_warmup_steps=2", "logger.log_every=1"]
+    straight = train("train_ddp.py", tmp_path / "straight", "num_train_steps=8", *overrides)
+    train("train_ddp.py", tmp_path / "resumed", "num_train_steps=4", "export_final_model=false", *overrides)
+    resumed = train("train_ddp.py", tmp_path / "resumed", "num_train_steps=8", *overrides)
+    assert [m["step"] for m in resumed] == list(range(1, 9))  # metrics.jsonl is appended to
+    assert [m["loss"] for m in resumed[4:]] == pytest.approx([m["loss"] for m in straight[4:]], rel=1e-6, abs=1e-7)
+    for key, value in exported_weights(tmp_path / "straight").items():
+        torch.testing.assert_close(exported_weights(tmp_path / "resumed")[key], value, rtol=1e-6, atol=1e-7)
+
+
+def test_unknown_config_key_fails(tmp_path):
+    result = run_script("train_ddp.py", f"output_dir={tmp_path}", "dataset.sequence_colum=x", expect_failure=True)
+    assert "sequence_colum" in result.stderr
+
+
+def test_missing_required_value_fails_by_name(tmp_path):
+    result = run_script("train_ddp.py", "--config-name", "L1_1B_perf", f"output_dir={tmp_path}", expect_failure=True)
+    assert "dataset.path" in result.stderr

@@ -1,0 +1,124 @@
+"""Pre-train Llama 3 on DNA with FSDP2 (``torch.distributed.fsdp.fully_shard``): weights, gradients and optimizer state are
+sharded over all GPUs, and each transformer layer is gathered only while it computes.
+
+    python train_fsdp2.py                                 # one process (CPU or one GPU), the L0 sanity config
+    torchrun --nproc_per_node=8 train_fsdp2.py --config-name L1_8B_perf dataset.path=/data/genome.fasta
+
+Reads top to bottom: mesh, model on the meta device, shard, materialise, optimizer/scheduler/data, resume, train,
+export. Every key it reads is documented in hydra_config/defaults.yaml.
+"""
+
+import logging
+from pathlib import Path
+
+import hydra
+import torch
+from checkpoint import Checkpointer, export_final_model, gather_full_state_dict
+from dataset import create_dataloader
+from distributed import build_meshes, cleanup_distributed, move_to_device, setup_distributed
+from model_setup import config_name, load_model_config, pad_token_id, recipe_path
+from modeling_llama_te import NVLlamaForCausalLM
+from omegaconf import DictConfig, OmegaConf
+from perf_logger import ModelFlops, PerfLogger, Profiler
+from scheduler import get_linear_schedule_with_warmup
+from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
+from transformers import AutoTokenizer
+
+
+logger = logging.getLogger(__name__)
+
+
+@hydra.main(config_path="hydra_config", config_name="L0_sanity", version_base="1.3")
+def main(cfg: DictConfig) -> None:
+    OmegaConf.to_container(cfg, resolve=True, throw_on_missing=True)  # a missing `???` value fails here, by name
+    dist_config, device = setup_distributed(require_process_group=True)
+    if not dist_config.is_main_process():
+        logging.getLogger().setLevel(logging.WARNING)
+    logger.info("Config:\n%s", OmegaConf.to_yaml(cfg))
+    torch.manual_seed(cfg.seed)
+    meshes = build_meshes(dist_config, device)
+
+    # Model on the meta device: no memory until each rank materialises its own shards below.
+    tokenizer = AutoTokenizer.from_pretrained(recipe_path(cfg.tokenizer_path))
+    config, plan = load_model_config(cfg)
+    use_bf16 = cfg.mixed_precision.enabled and (device.type == "cuda" or cfg.mixed_precision.on_cpu)
+    with torch.device("meta" if cfg.fsdp.use_meta_device else device):
+        model = NVLlamaForCausalLM(config, fp8_recipe=plan.fp8_recipe, fp4_recipe=plan.fp4_recipe)
+    if use_bf16 and not cfg.mixed_precision.fp32_master_weights:
+        model.to(torch.bfloat16)  # bf16 weights and optimizer state: less memory, no fp32 master copy
+    model_flops = ModelFlops.from_model(model, config.num_hidden_layers, config.hidden_size)
+    logger.info("Model: %s backend, %.1fM parameters", model.backend, sum(p.numel() for p in model.parameters()) / 1e6)
+
+    # Shard each transformer layer, then the root (embeddings, final norm, LM head). fp32 master weights are cast to bf16 per
+    # layer for compute, and gradients are reduced in fp32.
+    mp_policy = MixedPrecisionPolicy()
+    if use_bf16 and cfg.mixed_precision.fp32_master_weights:
+        mp_policy = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
+    for layer in model.model.layers:
+        fully_shard(layer, mesh=meshes.fsdp, mp_policy=mp_policy, reshard_after_forward=cfg.fsdp.reshard_after_forward)
+    fully_shard(model, mesh=meshes.fsdp, mp_policy=mp_policy, reshard_after_forward=cfg.fsdp.reshard_after_forward)
+    if cfg.fsdp.use_meta_device:
+        model.init_empty_weights(device)
+    train_model = torch.compile(model) if cfg.use_torch_compile else model
+
+    # Optimizer, schedule, data (each data-parallel rank reads its own shard).
+    optimizer = torch.optim.AdamW(model.parameters(), **cfg.adamw_kwargs, fused=device.type == "cuda")
+    scheduler = get_linear_schedule_with_warmup(optimizer, **cfg.lr_scheduler_kwargs)
+    dataloader = create_dataloader(
+        cfg.dataset, tokenizer, dp_rank=meshes.dp_rank, dp_world_size=meshes.dp_size, seed=cfg.seed
+    )
+
+    # Resume from the newest complete checkpoint (sharded model/optimizer, schedule, data position, RNG).
+    checkpointer = Checkpointer(
+        cfg.checkpoint.ckpt_dir,
+        "fsdp2",
+        async_save=cfg.checkpoint.async_save,
+        max_checkpoints=cfg.checkpoint.max_checkpoints,
+    )
+    start_step = 0
+    if cfg.checkpoint.resume:
+        start_step = checkpointer.load_latest(model, optimizer, scheduler, dataloader)
+    with torch.random.fork_rng(devices=[]):  # making the iterator draws from the RNG; keep resumed runs identical
+        batches = iter(dataloader)
+
+    perf = PerfLogger(cfg, model_flops, pad_token_id(tokenizer), start_step, config_name=config_name())
+    profiler = Profiler(cfg.profiler, cfg.output_dir)
+    train_model.train()
+    step = start_step
+    for step in range(start_step + 1, cfg.num_train_steps + 1):
+        with profiler.step_context(step):
+            step_loss = torch.zeros((), device=device)
+            for micro_step in range(cfg.grad_acc_steps):
+                batch = move_to_device(next(batches), device)
+                perf.count_batch(batch)
+                # Reduce-scatter gradients only after the last micro-batch; earlier ones accumulate unsharded.
+                model.set_requires_gradient_sync(micro_step == cfg.grad_acc_steps - 1)
+                loss = train_model(**batch).loss / cfg.grad_acc_steps
+                loss.backward()
+                step_loss += loss.detach()
+
+            grad_norm = torch.nn.utils.clip_grad_norm_(model.parameters(), cfg.max_grad_norm)
+            lr = scheduler.get_last_lr()[0]
+            optimizer.step()
+            scheduler.step()
+            optimizer.zero_grad(set_to_none=True)
+
+        perf.log_step(step, step_loss, grad_norm, lr)
+        checkpointer.poll()  # finalise a finished background save without waiting for one
+        if cfg.checkpoint.save_every and step % cfg.checkpoint.save_every == 0:
+            checkpointer.save(step, model, optimizer, scheduler, dataloader)
+
+    if cfg.checkpoint.save_final and step > start_step:
+        checkpointer.save(step, model, optimizer, scheduler, dataloader)
+    perf.finish()
+
+    # Export a Hugging Face directory: gather the full weights (collective), written by rank 0.
+    if cfg.export_final_model:
+        full_state_dict = gather_full_state_dict(model, "fsdp2")
+        export_final_model(model, full_state_dict, Path(cfg.output_dir) / "final_model", tokenizer)
+    checkpointer.close()  # an asynchronous save must land before the process exits
+    cleanup_distributed()
+
+
+if __name__ == "__main__":
+    main()
