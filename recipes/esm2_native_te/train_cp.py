@@ -20,6 +20,7 @@ from model_setup import config_name, load_model_config, recipe_path
 from modeling_esm_te import NVEsmForMaskedLM
 from omegaconf import DictConfig, OmegaConf
 from perf_logger import ModelFlops, PerfLogger, Profiler
+from quant_stats import QuantStats
 from scheduler import get_linear_schedule_with_warmup
 from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 from transformers import AutoTokenizer
@@ -40,11 +41,13 @@ def main(cfg: DictConfig) -> None:
 
     tokenizer = AutoTokenizer.from_pretrained(recipe_path(cfg.tokenizer_path))
     config, plan = load_model_config(cfg)
+    quant_stats = QuantStats.start(cfg.quant_stats, cfg.output_dir)  # before TE builds its first layer
     use_bf16 = cfg.mixed_precision.enabled and (device.type == "cuda" or cfg.mixed_precision.on_cpu)
     with torch.device("meta" if cfg.fsdp.use_meta_device else device):
         model = NVEsmForMaskedLM(config, fp8_recipe=plan.fp8_recipe, fp4_recipe=plan.fp4_recipe)
     if use_bf16 and not cfg.mixed_precision.fp32_master_weights:
         model.to(torch.bfloat16)
+    quant_stats.watch(model)
     model_flops = ModelFlops.from_model(model, config.num_hidden_layers, config.hidden_size)
 
     # Every attention layer exchanges K/V blocks with the other ranks of this rank's CP group (TE backend only).
@@ -113,6 +116,7 @@ def main(cfg: DictConfig) -> None:
             optimizer.step()
             scheduler.step()
             optimizer.zero_grad(set_to_none=True)
+            quant_stats.step()
 
         perf.log_step(step, step_loss, grad_norm, lr)
         checkpointer.poll()
@@ -127,6 +131,7 @@ def main(cfg: DictConfig) -> None:
         full_state_dict = gather_full_state_dict(model, "fsdp2")
         export_final_model(model, full_state_dict, Path(cfg.output_dir) / "final_model", tokenizer)
     checkpointer.close()
+    quant_stats.close()
     cleanup_distributed()
 
 

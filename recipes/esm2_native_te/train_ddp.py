@@ -20,6 +20,7 @@ from model_setup import config_name, load_model_config, recipe_path
 from modeling_esm_te import NVEsmForMaskedLM
 from omegaconf import DictConfig, OmegaConf
 from perf_logger import ModelFlops, PerfLogger, Profiler
+from quant_stats import QuantStats
 from scheduler import get_linear_schedule_with_warmup
 from torch.nn.parallel import DistributedDataParallel
 from transformers import AutoTokenizer
@@ -40,7 +41,9 @@ def main(cfg: DictConfig) -> None:
     # Model: the same random init on every rank (same seed); DDP also broadcasts rank 0's weights.
     tokenizer = AutoTokenizer.from_pretrained(recipe_path(cfg.tokenizer_path))
     config, plan = load_model_config(cfg)
+    quant_stats = QuantStats.start(cfg.quant_stats, cfg.output_dir)  # before TE builds its first layer
     model = NVEsmForMaskedLM(config, fp8_recipe=plan.fp8_recipe, fp4_recipe=plan.fp4_recipe).to(device)
+    quant_stats.watch(model)
     model_flops = ModelFlops.from_model(model, config.num_hidden_layers, config.hidden_size)
     logger.info("Model: %s backend, %.1fM parameters", model.backend, sum(p.numel() for p in model.parameters()) / 1e6)
 
@@ -93,6 +96,7 @@ def main(cfg: DictConfig) -> None:
             optimizer.step()
             scheduler.step()
             optimizer.zero_grad(set_to_none=True)
+            quant_stats.step()
 
         perf.log_step(step, step_loss, grad_norm, lr)
         if cfg.checkpoint.save_every and step % cfg.checkpoint.save_every == 0:
@@ -107,6 +111,7 @@ def main(cfg: DictConfig) -> None:
         full_state_dict = gather_full_state_dict(model, "ddp")
         export_final_model(model, full_state_dict, Path(cfg.output_dir) / "final_model", tokenizer)
     checkpointer.close()
+    quant_stats.close()
     cleanup_distributed()
 
 

@@ -20,6 +20,7 @@ from model_setup import config_name, load_model_config, recipe_path
 from modeling_esm_te import NVEsmForMaskedLM
 from omegaconf import DictConfig, OmegaConf
 from perf_logger import ModelFlops, PerfLogger, Profiler
+from quant_stats import QuantStats
 from scheduler import get_linear_schedule_with_warmup
 from torch.distributed.device_mesh import init_device_mesh
 from transformers import AutoTokenizer
@@ -55,11 +56,13 @@ def main(cfg: DictConfig) -> None:
     # each module's reset_parameters(), not ESM's initialisation, so it is not used.)
     tokenizer = AutoTokenizer.from_pretrained(recipe_path(cfg.tokenizer_path))
     config, plan = load_model_config(cfg)
+    quant_stats = QuantStats.start(cfg.quant_stats, cfg.output_dir)  # before TE builds its first layer
     use_bf16 = cfg.mixed_precision.enabled
     with torch.device(device):
         model = NVEsmForMaskedLM(config, fp8_recipe=plan.fp8_recipe, fp4_recipe=plan.fp4_recipe)
     if use_bf16:
         model.to(torch.bfloat16)  # compute weights; fp32 main weights live in Megatron-FSDP's buffers
+    quant_stats.watch(model)
     model_flops = ModelFlops.from_model(model, config.num_hidden_layers, config.hidden_size)
     logger.info("Model: %s backend, %.1fM parameters", model.backend, sum(p.numel() for p in model.parameters()) / 1e6)
 
@@ -121,6 +124,7 @@ def main(cfg: DictConfig) -> None:
             optimizer.step()
             scheduler.step()
             optimizer.zero_grad(set_to_none=True)
+            quant_stats.step()
 
         perf.log_step(step, step_loss, grad_norm, lr)
         checkpointer.poll()
@@ -135,6 +139,7 @@ def main(cfg: DictConfig) -> None:
         full_state_dict = gather_full_state_dict(model, "mfsdp")
         export_final_model(model.module, full_state_dict, Path(cfg.output_dir) / "final_model", tokenizer)
     checkpointer.close()
+    quant_stats.close()
     cleanup_distributed()
 
 

@@ -59,6 +59,21 @@ def test_fp8_layers_learn(tmp_path, recipe):
     assert_export_reproduces_checkpoint(tmp_path, step=100)
 
 
+@pytest.mark.requires_fp8
+@pytest.mark.skipif(importlib.util.find_spec("nvdlfw_inspect") is None, reason="nvidia-dlframework-inspect missing")
+def test_fp8_tensor_statistics_are_logged(tmp_path):
+    overrides = [
+        "dataset.input_format=thd",
+        "dataset.pad_to_multiple_of=16",
+        "fp8_config.enabled=true",
+        "fp8_config.fp8_recipe=Float8CurrentScaling",
+        "quant_stats.enabled=true",
+    ]
+    train_on_gpu("train_fsdp2.py", tmp_path, *overrides)
+    logs = "".join(p.read_text() for p in (tmp_path / "quant_stats").rglob("*.log"))
+    assert "underflows%" in logs and "layernorm_qkv" in logs, logs[:2000]
+
+
 @pytest.mark.requires_blackwell
 def test_mxfp8_and_nvfp4_layers_learn(tmp_path):
     overrides = [
