@@ -5,7 +5,7 @@
   -(0.85 ln 0.85 + 3 * 0.05 ln 0.05) ~ 0.59 nats per base, far below ln 4 ~ 1.39 for independent bases: a model
   below ~1.2 nats is using context. About 5% of the bases sit in lowercase (soft-masked) stretches and some
   sequences hold runs of N, which the collator keeps out of the loss.
-- ``data/overfit_dna.jsonl``: 8 random sequences of 250 bases (no context to learn; only memorising them brings
+- ``data/overfit_dna.jsonl``: 4 random sequences of 120 bases (no context to learn; only memorising them brings
   the loss to ~0), for the L0_convergence config.
 
     python scripts/make_sanity_dataset.py
@@ -48,8 +48,8 @@ def main() -> None:
             fh.write(f">synthetic_{index}\n")
             fh.writelines(seq[i : i + 80] + "\n" for i in range(0, len(seq), 80))
     with open(DATA_DIR / "overfit_dna.jsonl", "w") as fh:
-        for index in range(8):
-            fh.write(json.dumps({"id": f"random_{index}", "sequence": "".join(rng.choice(BASES, 250))}) + "\n")
+        for index in range(4):
+            fh.write(json.dumps({"id": f"random_{index}", "sequence": "".join(rng.choice(BASES, 120))}) + "\n")
 
 
 if __name__ == "__main__":

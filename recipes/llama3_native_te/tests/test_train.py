@@ -102,3 +102,10 @@ def test_unknown_config_key_fails(tmp_path):
 def test_missing_required_value_fails_by_name(tmp_path):
     result = run_script("train_ddp.py", "--config-name", "L1_1B_perf", f"output_dir={tmp_path}", expect_failure=True)
     assert "dataset.path" in result.stderr
+
+
+def test_train_cp_fails_with_a_clear_message(tmp_path):
+    result = run_script("train_cp.py", f"output_dir={tmp_path}", expect_failure=True)
+    assert "context parallelism is not supported by the Llama model yet" in result.stderr
+    result = run_script("train_cp.py", f"output_dir={tmp_path}", "cp_size=1", expect_failure=True)
+    assert "cp_size >= 2" in result.stderr
