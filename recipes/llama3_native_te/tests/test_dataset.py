@@ -104,3 +104,25 @@ def test_resume_restarts_at_the_same_batch(tokenizer, tmp_path, input_format, nu
     got = [b["input_ids"] for _, b in zip(range(5), resumed)]
     for a, b in zip(got, expected[7:]):
         assert np.array_equal(a, b)
+
+
+def test_natural_language_settings_keep_text_and_labels(tokenizer, tmp_path):
+    """L2_lingua_1b's data settings: spaces kept, labels are the inputs, a tokenizer without a pad token works."""
+    (tmp_path / "t.jsonl").write_text(json.dumps({"text": "hello world, ACGT n"}) + "\n")
+    assert read_sequences(str(tmp_path / "t.jsonl"), sequence_column="text", strip_whitespace=False) == [
+        "hello world, ACGT n"
+    ]
+    cfg = {
+        "path": str(tmp_path / "t.jsonl"),
+        "sequence_column": "text",
+        "strip_whitespace": False,
+        "uppercase_labels": False,
+        "mask_degenerate_bases": False,
+        "input_format": "bshd",
+        "max_seq_length": 64,
+        "num_workers": 0,
+    }
+    batch = next(iter(create_dataloader(cfg, tokenizer)))
+    ids = batch["input_ids"][0].tolist()
+    assert ids[0] == tokenizer.bos_token_id and ids[-1] == tokenizer.eos_token_id
+    assert batch["labels"][0].tolist() == [-100, *ids[1:]]

@@ -57,8 +57,9 @@ def test_ddp_one_process_learns_and_export_reloads(tmp_path):
         torch.testing.assert_close(exported(input_ids).logits, reference(input_ids).logits, rtol=0, atol=0)
 
 
-def test_fsdp2_two_processes_learn(tmp_path):
-    metrics = train("train_fsdp2.py", tmp_path, "num_train_steps=80", "export_final_model=false", nproc=2)
+@pytest.mark.parametrize("script", ["train_ddp.py", "train_fsdp2.py"])
+def test_two_processes_learn(tmp_path, script):
+    metrics = train(script, tmp_path, "num_train_steps=80", "export_final_model=false", nproc=2)
     assert metrics[-1]["step"] == 80 and metrics[-1]["loss"] < LOSS_THRESHOLD, metrics
 
 
