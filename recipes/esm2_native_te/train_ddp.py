@@ -16,7 +16,13 @@ import torch
 from checkpoint import Checkpointer, export_final_model, gather_full_state_dict
 from dataset import create_dataloader
 from distributed import cleanup_distributed, move_to_device, setup_distributed
-from model_setup import config_name, load_model_config, recipe_path
+from model_setup import (
+    apply_pretrained_weights,
+    config_name,
+    load_model_config,
+    load_pretrained_state_dict,
+    recipe_path,
+)
 from modeling_esm_te import NVEsmForMaskedLM
 from omegaconf import DictConfig, OmegaConf
 from perf_logger import ModelFlops, PerfLogger, Profiler
@@ -43,6 +49,7 @@ def main(cfg: DictConfig) -> None:
     config, plan = load_model_config(cfg)
     quant_stats = QuantStats.start(cfg.quant_stats, cfg.output_dir)  # before TE builds its first layer
     model = NVEsmForMaskedLM(config, fp8_recipe=plan.fp8_recipe, fp4_recipe=plan.fp4_recipe).to(device)
+    apply_pretrained_weights(model, load_pretrained_state_dict(cfg))  # fine-tuning: init_from_pretrained=true
     quant_stats.watch(model)
     model_flops = ModelFlops.from_model(model, config.num_hidden_layers, config.hidden_size)
     logger.info("Model: %s backend, %.1fM parameters", model.backend, sum(p.numel() for p in model.parameters()) / 1e6)

@@ -16,7 +16,13 @@ import torch
 from checkpoint import Checkpointer, export_final_model, gather_full_state_dict
 from dataset import create_dataloader
 from distributed import build_meshes, cleanup_distributed, move_to_device, setup_distributed
-from model_setup import config_name, load_model_config, recipe_path
+from model_setup import (
+    apply_pretrained_weights,
+    config_name,
+    load_model_config,
+    load_pretrained_state_dict,
+    recipe_path,
+)
 from modeling_esm_te import NVEsmForMaskedLM
 from omegaconf import DictConfig, OmegaConf
 from perf_logger import ModelFlops, PerfLogger, Profiler
@@ -62,6 +68,7 @@ def main(cfg: DictConfig) -> None:
     fully_shard(model, mesh=meshes.fsdp, mp_policy=mp_policy, reshard_after_forward=cfg.fsdp.reshard_after_forward)
     if cfg.fsdp.use_meta_device:
         model.init_empty_weights(device)
+    apply_pretrained_weights(model, load_pretrained_state_dict(cfg))  # fine-tuning: every rank's shards
     train_model = torch.compile(model) if cfg.use_torch_compile else model
 
     # Optimizer, schedule, data (each data-parallel rank reads its own shard).

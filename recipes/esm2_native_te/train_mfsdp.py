@@ -16,7 +16,13 @@ import torch
 from checkpoint import Checkpointer, export_final_model, gather_full_state_dict
 from dataset import create_dataloader
 from distributed import cleanup_distributed, move_to_device, setup_distributed
-from model_setup import config_name, load_model_config, recipe_path
+from model_setup import (
+    apply_pretrained_weights,
+    config_name,
+    load_model_config,
+    load_pretrained_state_dict,
+    recipe_path,
+)
 from modeling_esm_te import NVEsmForMaskedLM
 from omegaconf import DictConfig, OmegaConf
 from perf_logger import ModelFlops, PerfLogger, Profiler
@@ -60,6 +66,7 @@ def main(cfg: DictConfig) -> None:
     use_bf16 = cfg.mixed_precision.enabled
     with torch.device(device):
         model = NVEsmForMaskedLM(config, fp8_recipe=plan.fp8_recipe, fp4_recipe=plan.fp4_recipe)
+    apply_pretrained_weights(model, load_pretrained_state_dict(cfg))  # fine-tuning: init_from_pretrained=true
     if use_bf16:
         model.to(torch.bfloat16)  # compute weights; fp32 main weights live in Megatron-FSDP's buffers
     quant_stats.watch(model)

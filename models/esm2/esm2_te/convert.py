@@ -10,7 +10,11 @@ import re
 import torch
 from transformers import EsmConfig, EsmForMaskedLM
 
-from .modeling_esm_te import NVEsmConfig, NVEsmForMaskedLM
+
+try:  # package import (models/esm2)
+    from .modeling_esm_te import NVEsmConfig, NVEsmForMaskedLM
+except ImportError:  # flat copy inside a recipe folder
+    from modeling_esm_te import NVEsmConfig, NVEsmForMaskedLM
 
 
 # Hugging Face key suffix inside `esm.encoder.layer.{i}.` -> NVEsm key suffix inside `esm.encoder.layers.{i}.`

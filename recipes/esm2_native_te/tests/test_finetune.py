@@ -1,0 +1,53 @@
+"""Fine-tuning: init_from_pretrained loads a stock Hugging Face ESM-2 checkpoint (converted on the fly) or an NVEsm
+export. With a learning rate of 0, training must leave the weights exactly as loaded, so the final export equals
+the pretrained checkpoint's weights — under DDP (whole model) and FSDP2 (every rank loads its shards)."""
+
+import pytest
+import torch
+from convert import convert_esm_hf_to_te
+from launch import run_script
+from test_train import FAST, load_export
+from transformers import EsmConfig, EsmForMaskedLM
+
+
+NO_LEARNING = ["num_train_steps=2", "adamw_kwargs.lr=0.0", "logger.log_every=1", "checkpoint.save_every=0"]
+
+
+@pytest.fixture(scope="module")
+def stock_checkpoint(tmp_path_factory):
+    config = EsmConfig(
+        vocab_size=33, mask_token_id=32, pad_token_id=1, position_embedding_type="rotary", token_dropout=True,
+        emb_layer_norm_before=False, layer_norm_eps=1e-5, hidden_dropout_prob=0.0, attention_probs_dropout_prob=0.0,
+        max_position_embeddings=1026, num_hidden_layers=2, hidden_size=64, num_attention_heads=4, intermediate_size=128,
+    )  # fmt: skip
+    torch.manual_seed(3)
+    model = EsmForMaskedLM(config)
+    with torch.no_grad():
+        model.lm_head.bias.normal_()  # zero at init: make it something a wrong load could not reproduce
+    path = tmp_path_factory.mktemp("stock") / "esm2_tiny"
+    model.save_pretrained(path)
+    return path, model
+
+
+@pytest.mark.parametrize(("script", "nproc"), [("train_ddp.py", None), ("train_fsdp2.py", 2)])
+def test_finetune_from_stock_checkpoint_keeps_its_weights(tmp_path, stock_checkpoint, script, nproc):
+    path, hf_model = stock_checkpoint
+    run_script(
+        script, f"output_dir={tmp_path}", f"model_tag={path}", "init_from_pretrained=true", *FAST, *NO_LEARNING,
+        nproc=nproc,
+    )  # fmt: skip
+    expected = convert_esm_hf_to_te(hf_model, backend="torch").state_dict()
+    exported = load_export(tmp_path).state_dict()
+    for key, value in expected.items():
+        if not key.endswith("_extra_state"):
+            assert torch.equal(exported[key], value), key
+
+
+def test_init_from_pretrained_rejects_other_architectures(tmp_path):
+    other = tmp_path / "bert"
+    other.mkdir()
+    (other / "config.json").write_text('{"model_type": "bert"}')
+    result = run_script(
+        "train_ddp.py", f"output_dir={tmp_path / 'run'}", f"model_tag={other}", *NO_LEARNING, expect_failure=True
+    )
+    assert "holds a 'bert' model, not ESM-2" in result.stderr + result.stdout
