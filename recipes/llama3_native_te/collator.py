@@ -132,3 +132,23 @@ def pack_windows(
                 group, used = [], 0
     if group:
         yield group
+
+
+def count_targets(batch: dict) -> int:
+    """Tokens the model scores in ``batch``: a labelled token that is not the first of its sequence (the model
+    predicts token i from tokens before it, so a sequence's first label is never used)."""
+    labels = batch["labels"]
+    if "cu_seq_lens_q" in batch:  # THD: one row, sequences start at cu_seq_lens_q[:-1]
+        scored = labels[0] != IGNORE_INDEX
+        scored[batch["cu_seq_lens_q"][:-1].long()] = False
+        return int(scored.sum())
+    lengths = batch["attention_mask"].sum(dim=1, keepdim=True)  # right padding: real tokens come first
+    first = torch.arange(labels.shape[1]) == 0
+    return int(((labels != IGNORE_INDEX) & ~first & (torch.arange(labels.shape[1]) < lengths)).sum())
+
+
+def token_weights(micro_batches: list[dict]) -> list[float]:
+    """Each micro-batch's share of the scored tokens of an optimizer step (equal shares when none has any)."""
+    counts = [count_targets(batch) for batch in micro_batches]
+    total = sum(counts)
+    return [count / total for count in counts] if total else [1 / len(counts)] * len(counts)

@@ -14,6 +14,7 @@ from pathlib import Path
 import hydra
 import torch
 from checkpoint import Checkpointer, export_final_model, gather_full_state_dict
+from collator import token_weights
 from dataset import create_dataloader
 from distributed import cleanup_distributed, move_to_device, setup_distributed
 from model_setup import config_name, load_model_config, pad_token_id, recipe_path
@@ -76,15 +77,19 @@ def main(cfg: DictConfig) -> None:
     for step in range(start_step + 1, cfg.num_train_steps + 1):
         with profiler.step_context(step):
             step_loss = torch.zeros((), device=device)
-            for micro_step in range(cfg.grad_acc_steps):
-                batch = move_to_device(next(batches), device)
+            # Weight each micro-batch by its share of the step's scored tokens: k micro-batches then give the
+            # gradient of one batch holding all of them, however the degenerate-base masking falls.
+            micro_batches = [next(batches) for _ in range(cfg.grad_acc_steps)]
+            weights = token_weights(micro_batches)
+            for micro_step, batch in enumerate(micro_batches):
+                batch = move_to_device(batch, device)
                 perf.count_batch(batch)
                 # Gradients are all-reduced only on the last micro-batch; earlier ones accumulate locally.
                 last = micro_step == cfg.grad_acc_steps - 1
                 sync = nullcontext() if last or ddp is None else ddp.no_sync()
                 with sync:
                     with torch.autocast(device.type, dtype=torch.bfloat16, enabled=use_bf16):
-                        loss = ddp_model(**batch).loss / cfg.grad_acc_steps
+                        loss = ddp_model(**batch).loss * weights[micro_step]
                     loss.backward()
                 step_loss += loss.detach()
 

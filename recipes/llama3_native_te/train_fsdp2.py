@@ -1,5 +1,5 @@
-"""Pre-train Llama 3 on DNA with FSDP2 (``torch.distributed.fsdp.fully_shard``): weights, gradients and optimizer state are
-sharded over all GPUs, and each transformer layer is gathered only while it computes.
+"""Pre-train Llama 3 on DNA with FSDP2 (``torch.distributed.fsdp.fully_shard``): weights, gradients and optimizer
+state are sharded over all GPUs, and each transformer layer is gathered only while it computes.
 
     python train_fsdp2.py                                 # one process (CPU or one GPU), the L0 sanity config
     torchrun --nproc_per_node=8 train_fsdp2.py --config-name L1_8B_perf dataset.path=/data/genome.fasta
@@ -14,6 +14,7 @@ from pathlib import Path
 import hydra
 import torch
 from checkpoint import Checkpointer, export_final_model, gather_full_state_dict
+from collator import token_weights
 from dataset import create_dataloader
 from distributed import build_meshes, cleanup_distributed, move_to_device, setup_distributed
 from model_setup import config_name, load_model_config, pad_token_id, recipe_path
@@ -49,8 +50,8 @@ def main(cfg: DictConfig) -> None:
     model_flops = ModelFlops.from_model(model, config.num_hidden_layers, config.hidden_size)
     logger.info("Model: %s backend, %.1fM parameters", model.backend, sum(p.numel() for p in model.parameters()) / 1e6)
 
-    # Shard each transformer layer, then the root (embeddings, final norm, LM head). fp32 master weights are cast to bf16 per
-    # layer for compute, and gradients are reduced in fp32.
+    # Shard each transformer layer, then the root (embeddings, final norm, LM head). fp32 master weights are cast to
+    # bf16 per layer for compute, and gradients are reduced in fp32.
     mp_policy = MixedPrecisionPolicy()
     if use_bf16 and cfg.mixed_precision.fp32_master_weights:
         mp_policy = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
@@ -88,12 +89,16 @@ def main(cfg: DictConfig) -> None:
     for step in range(start_step + 1, cfg.num_train_steps + 1):
         with profiler.step_context(step):
             step_loss = torch.zeros((), device=device)
-            for micro_step in range(cfg.grad_acc_steps):
-                batch = move_to_device(next(batches), device)
+            # Weight each micro-batch by its share of the step's scored tokens: k micro-batches then give the
+            # gradient of one batch holding all of them, however the degenerate-base masking falls.
+            micro_batches = [next(batches) for _ in range(cfg.grad_acc_steps)]
+            weights = token_weights(micro_batches)
+            for micro_step, batch in enumerate(micro_batches):
+                batch = move_to_device(batch, device)
                 perf.count_batch(batch)
                 # Reduce-scatter gradients only after the last micro-batch; earlier ones accumulate unsharded.
                 model.set_requires_gradient_sync(micro_step == cfg.grad_acc_steps - 1)
-                loss = train_model(**batch).loss / cfg.grad_acc_steps
+                loss = train_model(**batch).loss * weights[micro_step]
                 loss.backward()
                 step_loss += loss.detach()
 

@@ -3,7 +3,16 @@
 import numpy as np
 import pytest
 import torch
-from collator import IGNORE_INDEX, LabelMaker, collate_bshd, collate_thd, pack_windows, window_starts
+from collator import (
+    IGNORE_INDEX,
+    LabelMaker,
+    collate_bshd,
+    collate_thd,
+    count_targets,
+    pack_windows,
+    token_weights,
+    window_starts,
+)
 from model_setup import recipe_path
 from transformers import AutoTokenizer
 
@@ -85,3 +94,16 @@ def test_thd_sequence_boundaries(tokenizer):
     assert batch["cu_seq_lens_q"].tolist() == [0, 3, 8]
     assert batch["cu_seq_lens_q"].dtype == torch.int32
     assert batch["max_length_q"] == 5
+
+
+def test_count_targets_by_hand(tokenizer):
+    labels = LabelMaker(tokenizer)
+    # BSHD: "ACNG" scores C, G (A is first, N masked); "TT" scores T.
+    bshd = collate_bshd([ids(tokenizer, "ACNG"), ids(tokenizer, "TT")], labels, tokenizer.pad_token_id)
+    assert count_targets(bshd) == 3
+    # THD: sequences "ACG" | "NTT" | "A": scored C, G | T, T | (none).
+    thd = collate_thd([ids(tokenizer, "ACG"), ids(tokenizer, "NTT"), ids(tokenizer, "A")], labels)
+    assert count_targets(thd) == 4
+    assert token_weights([bshd, thd]) == pytest.approx([3 / 7, 4 / 7])
+    empty = collate_thd([ids(tokenizer, "N")], labels)
+    assert token_weights([empty, empty]) == [0.5, 0.5]

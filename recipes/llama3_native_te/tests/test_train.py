@@ -9,6 +9,7 @@ give the logits of the weights the checkpoint holds.
 import json
 from pathlib import Path
 
+import numpy as np
 import pytest
 import torch
 from launch import run_script
@@ -65,11 +66,17 @@ def test_two_processes_learn(tmp_path, script):
 
 @pytest.mark.parametrize("script", ["train_ddp.py", "train_fsdp2.py"])
 def test_grad_accumulation_equals_one_larger_batch(tmp_path, script):
-    """2 micro-batches of 2 windows per rank == 1 micro-batch of 4 (equal-length windows, so equal token counts)."""
+    """2 micro-batches of 2 windows per rank == 1 micro-batch of 4, with windows of different lengths and N runs, so
+    the micro-batches hold different numbers of scored tokens (a plain mean of micro-batch means would differ)."""
+    rng = np.random.default_rng(7)
+    data = tmp_path / "uneven.jsonl"
+    with data.open("w") as fh:
+        for length in rng.integers(20, 120, size=16):
+            bases = rng.choice(list("ACGTN"), size=length, p=[0.2, 0.2, 0.2, 0.2, 0.2])
+            fh.write(json.dumps({"sequence": "".join(bases)}) + "\n")
     common = [
-        "dataset.path=data/overfit_dna.jsonl",
+        f"dataset.path={data}",
         "dataset.input_format=bshd",
-        "dataset.max_seq_length=256",
         "num_train_steps=2",
         "adamw_kwargs.eps=1e-3",  # Adam divides by sqrt(v) + eps: keep float noise in tiny gradients from flipping signs
         "checkpoint.save_final=false",
