@@ -37,7 +37,9 @@ def test_finetune_from_stock_checkpoint_keeps_its_weights(tmp_path, stock_checkp
         nproc=nproc,
     )  # fmt: skip
     expected = convert_esm_hf_to_te(hf_model, backend="torch").state_dict()
-    exported = load_export(tmp_path).state_dict()
+    exported_model = load_export(tmp_path)
+    assert exported_model.config.architectures == ["NVEsmForMaskedLM"]  # not FSDP2's wrapper class
+    exported = exported_model.state_dict()
     for key, value in expected.items():
         if not key.endswith("_extra_state"):
             assert torch.equal(exported[key], value), key
