@@ -14,7 +14,9 @@ import pytest
 import torch
 from launch import run_script
 from modeling_llama_te import NVLlamaConfig, NVLlamaForCausalLM
+from omegaconf import OmegaConf
 from safetensors.torch import load_file
+from train_cp import check_context_parallel_support
 from transformers import AutoConfig, AutoModelForCausalLM
 
 
@@ -90,12 +92,13 @@ def test_grad_accumulation_equals_one_larger_batch(tmp_path, script):
     assert any(not torch.equal(single[k], initial[k]) for k in single)  # the step did change the weights
 
 
-def test_stop_and_go_matches_an_uninterrupted_run(tmp_path):
+@pytest.mark.parametrize(("script", "nproc"), [("train_ddp.py", None), ("train_fsdp2.py", 2)])
+def test_stop_and_go_matches_an_uninterrupted_run(tmp_path, script, nproc):
     """Packed batches split windows over batch boundaries: the resumed run must start mid-window, exactly."""
     overrides = ["dataset.token_budget=500", "lr_scheduler_kwargs.num_warmup_steps=2", "logger.log_every=1"]
-    straight = train("train_ddp.py", tmp_path / "straight", "num_train_steps=8", *overrides)
-    train("train_ddp.py", tmp_path / "resumed", "num_train_steps=4", "export_final_model=false", *overrides)
-    resumed = train("train_ddp.py", tmp_path / "resumed", "num_train_steps=8", *overrides)
+    straight = train(script, tmp_path / "straight", "num_train_steps=8", *overrides, nproc=nproc)
+    train(script, tmp_path / "resumed", "num_train_steps=4", "export_final_model=false", *overrides, nproc=nproc)
+    resumed = train(script, tmp_path / "resumed", "num_train_steps=8", *overrides, nproc=nproc)
     assert [m["step"] for m in resumed] == list(range(1, 9))  # metrics.jsonl is appended to
     assert [m["loss"] for m in resumed[4:]] == pytest.approx([m["loss"] for m in straight[4:]], rel=1e-6, abs=1e-7)
     for key, value in exported_weights(tmp_path / "straight").items():
@@ -115,5 +118,5 @@ def test_missing_required_value_fails_by_name(tmp_path):
 def test_train_cp_fails_with_a_clear_message(tmp_path):
     result = run_script("train_cp.py", f"output_dir={tmp_path}", expect_failure=True)
     assert "context parallelism is not supported by the Llama model yet" in result.stderr
-    result = run_script("train_cp.py", f"output_dir={tmp_path}", "cp_size=1", expect_failure=True)
-    assert "cp_size >= 2" in result.stderr
+    with pytest.raises(ValueError, match="cp_size >= 2"):
+        check_context_parallel_support(OmegaConf.create({"cp_size": 1}))
