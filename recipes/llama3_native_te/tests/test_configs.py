@@ -2,11 +2,13 @@
 exist, and the data-config keys match what dataset.py accepts. Hydra's struct mode only guards command-line
 overrides; a typo inside a YAML file would otherwise be merged in silently and ignored."""
 
+import importlib.util
 from pathlib import Path
 
 import pytest
 from dataset import DEFAULTS
 from hydra import compose, initialize_config_dir
+from model_setup import load_model_config
 from omegaconf import OmegaConf
 from omegaconf.errors import ConfigKeyError
 
@@ -79,3 +81,15 @@ def test_l1_1b_shape():
     assert cfg.dataset.max_seq_length == 8192 and cfg.dataset.input_format == "thd"
     config = OmegaConf.load(RECIPE_DIR / cfg.model_tag / "config.json")
     assert (config.hidden_size, config.num_hidden_layers, config.vocab_size) == (2048, 16, 256)
+
+
+@pytest.mark.skipif(importlib.util.find_spec("transformer_engine") is not None, reason="TE is installed here")
+def test_fp8_without_transformer_engine_fails_clearly():
+    with pytest.raises(ImportError, match="TransformerEngine is not installed"):
+        load_model_config(_compose("L0_sanity", ["fp8_config.enabled=true", "output_dir=unused"]))
+
+
+def test_unknown_model_override_fails():
+    cfg = _compose("L0_sanity", ["+model_config_overrides.hidden_sise=64", "output_dir=unused"])
+    with pytest.raises(ValueError, match="hidden_sise"):
+        load_model_config(cfg)

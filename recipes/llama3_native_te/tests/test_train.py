@@ -120,3 +120,9 @@ def test_train_cp_fails_with_a_clear_message(tmp_path):
     assert "context parallelism is not supported by the Llama model yet" in result.stderr
     with pytest.raises(ValueError, match="cp_size >= 2"):
         check_context_parallel_support(OmegaConf.create({"cp_size": 1}))
+
+
+def test_l0_convergence_overfits(tmp_path):
+    """The L0_convergence config as shipped (~20 s on 2 cores): random bases memorised, loss near zero."""
+    run_script("train_ddp.py", "--config-name", "L0_convergence", f"output_dir={tmp_path}", timeout=900)
+    assert read_metrics(tmp_path)[-1]["loss"] < 0.05
