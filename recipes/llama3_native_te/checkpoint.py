@@ -1,3 +1,4 @@
+# Copied from recipes/esm2_native_te/checkpoint.py — edit the source, then run ci/check_copies.py --fix
 """Training checkpoints (save, resume, prune) for DDP, FSDP2 and Megatron-FSDP, and the final Hugging Face export.
 
 Layout of ``<ckpt_dir>``::
@@ -13,7 +14,7 @@ starts and when the run ends.
 Inside a checkpoint:
 
 - ``rank<r>_state.pt``: per-rank state, saved by every rank because ranks read different data: the
-  ``StatefulDataLoader`` position and the RNG streams (dropout and anything else that draws from them);
+  ``StatefulDataLoader`` position and the RNG streams (masking, dropout and anything else that draws from them);
 - DDP: ``train_state.pt`` from rank 0 (model, optimizer, scheduler, step);
 - FSDP2 / Megatron-FSDP: a ``torch.distributed.checkpoint`` (DCP) directory of sharded model and optimizer states
   plus scheduler and step, each rank writing its own shards.
@@ -23,6 +24,7 @@ import logging
 import random
 import re
 import shutil
+import sys
 import tempfile
 from concurrent.futures import Future
 from pathlib import Path
@@ -32,7 +34,6 @@ import numpy as np
 import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
-from modeling_llama_te import AUTO_MAP
 from torch.distributed.checkpoint.state_dict import (
     StateDictOptions,
     get_model_state_dict,
@@ -351,9 +352,6 @@ def gather_full_state_dict(model: torch.nn.Module, strategy: Strategy) -> dict[s
     return full
 
 
-MODELING_FILES = ("modeling_llama_te.py", "torch_layers.py")
-
-
 def export_final_model(
     model: torch.nn.Module,
     full_state_dict: dict[str, torch.Tensor],
@@ -362,7 +360,7 @@ def export_final_model(
 ) -> Path | None:
     """Write a Hugging Face directory (config, safetensors weights, tokenizer, modeling code) on rank 0.
 
-    ``AutoModelForCausalLM.from_pretrained(output_dir, trust_remote_code=True)`` loads the result, on any machine:
+    ``AutoModel*.from_pretrained(output_dir, trust_remote_code=True)`` loads the result, on any machine:
     the saved config has no FP8/FP4 layers and ``backend: auto``. The directory is written beside its final name
     and renamed only when complete; an earlier export there is replaced only after the new one is whole.
 
@@ -379,7 +377,13 @@ def export_final_model(
     staging = Path(tempfile.mkdtemp(prefix=f".{output_dir.name}.", dir=output_dir.parent))
     weights = {k: v for k, v in full_state_dict.items() if not k.endswith("_extra_state")}
     # Loadable anywhere through the modeling code copied in: no FP8/FP4 layers, the loading machine picks the backend.
-    exported = {"auto_map": dict(AUTO_MAP), "architectures": [type(model).__name__], "layer_precision": None}
+    # The modeling file is the one that defines the model's class (with its AUTO_MAP), plus torch_layers.py beside it.
+    # FSDP2 swaps in a subclass of its own, so look through the class hierarchy.
+    model_class = next(c for c in type(model).__mro__ if hasattr(sys.modules[c.__module__], "AUTO_MAP"))
+    modeling_module = sys.modules[model_class.__module__]
+    modeling_files = [Path(modeling_module.__file__), Path(modeling_module.__file__).with_name("torch_layers.py")]
+    exported = {"auto_map": dict(modeling_module.AUTO_MAP), "architectures": [model_class.__name__]}
+    exported["layer_precision"] = None
     exported["backend"] = "auto"
     saved = {key: getattr(model.config, key, None) for key in exported}
     try:
@@ -388,8 +392,8 @@ def export_final_model(
         model.save_pretrained(staging, state_dict=weights)
         if tokenizer is not None:
             tokenizer.save_pretrained(staging)
-        for name in MODELING_FILES:
-            shutil.copy2(Path(__file__).resolve().parent / name, staging / name)
+        for path in modeling_files:
+            shutil.copy2(path, staging / path.name)
         previous = output_dir.with_name(f".{output_dir.name}.previous")
         if output_dir.exists():
             output_dir.rename(previous)
