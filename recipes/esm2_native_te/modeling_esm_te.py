@@ -581,7 +581,7 @@ class NVEsmLMHead(nn.Module):
         return (self.decoder(x) + self.bias)[..., : self.vocab_size]
 
 
-def _masked_lm_loss(logits: torch.Tensor, labels: torch.Tensor, cp_group=None) -> torch.Tensor:
+def _token_loss(logits: torch.Tensor, labels: torch.Tensor, cp_group=None) -> torch.Tensor:
     """Mean cross-entropy over labelled tokens; 0 (not NaN) for a batch without any.
 
     Under context parallelism each rank holds part of the labels. The value returned is the mean over the whole
@@ -599,8 +599,45 @@ def _masked_lm_loss(logits: torch.Tensor, labels: torch.Tensor, cp_group=None) -
     return local - local.detach() + totals[0] / totals[1].clamp(min=1)
 
 
-class NVEsmForMaskedLM(NVEsmPreTrainedModel):
+class _NVEsmPerTokenModel(NVEsmPreTrainedModel):
+    """The forward shared by heads that predict one output per token: pack, encode, head, loss, unpack."""
+
+    output_class = MaskedLMOutput
+
+    def head(self, hidden: torch.Tensor) -> torch.Tensor:
+        raise NotImplementedError
+
+    def forward(
+        self,
+        input_ids: torch.Tensor,
+        attention_mask: torch.Tensor | None = None,
+        labels: torch.Tensor | None = None,
+        cu_seq_lens_q: torch.Tensor | None = None,
+        cu_seq_lens_k: torch.Tensor | None = None,
+        max_length_q: int | None = None,
+        max_length_k: int | None = None,
+        cu_seq_lens_q_padded: torch.Tensor | None = None,
+        cu_seq_lens_k_padded: torch.Tensor | None = None,
+        output_hidden_states: bool | None = None,
+        return_dict: bool | None = None,
+        **kwargs,
+    ):
+        packed = self.esm.pack(
+            input_ids, attention_mask, cu_seq_lens_q, cu_seq_lens_k, max_length_q, cu_seq_lens_q_padded
+        )
+        hidden, all_hidden = self.esm.forward_packed(packed, bool(output_hidden_states))
+        logits = self.head(hidden)
+        loss = None if labels is None else _token_loss(logits, packed.pack_like(labels), packed.cp_group)
+        return self.output_class(
+            loss=loss,
+            logits=packed.unpack(logits),
+            hidden_states=tuple(packed.unpack(h) for h in all_hidden) if all_hidden else None,
+        )
+
+
+class NVEsmForMaskedLM(_NVEsmPerTokenModel):
     _tied_weights_keys = {"lm_head.decoder.weight": "esm.embeddings.word_embeddings.weight"}
+    output_class = MaskedLMOutput
 
     def __init__(self, config: NVEsmConfig, fp8_recipe=None, fp4_recipe=None):
         super().__init__(config)
@@ -618,35 +655,13 @@ class NVEsmForMaskedLM(NVEsmPreTrainedModel):
     def set_output_embeddings(self, value: nn.Linear) -> None:
         self.lm_head.decoder = value
 
-    def forward(
-        self,
-        input_ids: torch.Tensor,
-        attention_mask: torch.Tensor | None = None,
-        labels: torch.Tensor | None = None,
-        cu_seq_lens_q: torch.Tensor | None = None,
-        cu_seq_lens_k: torch.Tensor | None = None,
-        max_length_q: int | None = None,
-        max_length_k: int | None = None,
-        cu_seq_lens_q_padded: torch.Tensor | None = None,
-        cu_seq_lens_k_padded: torch.Tensor | None = None,
-        output_hidden_states: bool | None = None,
-        return_dict: bool | None = None,
-        **kwargs,
-    ) -> MaskedLMOutput:
-        packed = self.esm.pack(
-            input_ids, attention_mask, cu_seq_lens_q, cu_seq_lens_k, max_length_q, cu_seq_lens_q_padded
-        )
-        hidden, all_hidden = self.esm.forward_packed(packed, bool(output_hidden_states))
-        logits = self.lm_head(hidden)
-        loss = None if labels is None else _masked_lm_loss(logits, packed.pack_like(labels), packed.cp_group)
-        return MaskedLMOutput(
-            loss=loss,
-            logits=packed.unpack(logits),
-            hidden_states=tuple(packed.unpack(h) for h in all_hidden) if all_hidden else None,
-        )
+    def head(self, hidden: torch.Tensor) -> torch.Tensor:
+        return self.lm_head(hidden)
 
 
-class NVEsmForTokenClassification(NVEsmPreTrainedModel):
+class NVEsmForTokenClassification(_NVEsmPerTokenModel):
+    output_class = TokenClassifierOutput
+
     def __init__(self, config: NVEsmConfig, fp8_recipe=None, fp4_recipe=None):
         super().__init__(config)
         self.num_labels = config.num_labels
@@ -655,29 +670,5 @@ class NVEsmForTokenClassification(NVEsmPreTrainedModel):
         self.classifier = nn.Linear(config.hidden_size, config.num_labels)
         self.post_init()
 
-    def forward(
-        self,
-        input_ids: torch.Tensor,
-        attention_mask: torch.Tensor | None = None,
-        labels: torch.Tensor | None = None,
-        cu_seq_lens_q: torch.Tensor | None = None,
-        cu_seq_lens_k: torch.Tensor | None = None,
-        max_length_q: int | None = None,
-        max_length_k: int | None = None,
-        cu_seq_lens_q_padded: torch.Tensor | None = None,
-        cu_seq_lens_k_padded: torch.Tensor | None = None,
-        output_hidden_states: bool | None = None,
-        return_dict: bool | None = None,
-        **kwargs,
-    ) -> TokenClassifierOutput:
-        packed = self.esm.pack(
-            input_ids, attention_mask, cu_seq_lens_q, cu_seq_lens_k, max_length_q, cu_seq_lens_q_padded
-        )
-        hidden, all_hidden = self.esm.forward_packed(packed, bool(output_hidden_states))
-        logits = self.classifier(self.dropout(hidden))
-        loss = None if labels is None else _masked_lm_loss(logits, packed.pack_like(labels), packed.cp_group)
-        return TokenClassifierOutput(
-            loss=loss,
-            logits=packed.unpack(logits),
-            hidden_states=tuple(packed.unpack(h) for h in all_hidden) if all_hidden else None,
-        )
+    def head(self, hidden: torch.Tensor) -> torch.Tensor:
+        return self.classifier(self.dropout(hidden))

@@ -3,9 +3,10 @@
 import pytest
 import torch
 from esm_testing import TINY_SHAPE, hf_esm2_config, make_batch, pack, randomize_, shape_of
-from transformers import EsmForMaskedLM
+from transformers import EsmForMaskedLM, EsmForTokenClassification
 
 from esm2_te.convert import convert_esm_hf_to_te
+from esm2_te.modeling_esm_te import NVEsmConfig, NVEsmForTokenClassification
 
 
 TOLERANCE = 1e-4
@@ -119,3 +120,24 @@ def test_loss_without_labelled_tokens_is_zero_not_nan(hf_tiny):
     input_ids, attention_mask, labels = make_batch([10])
     loss = nv_model(input_ids, attention_mask=attention_mask, labels=torch.full_like(labels, -100)).loss
     assert loss.item() == 0.0
+
+
+def test_token_classification_matches_hugging_face():
+    """NVEsmForTokenClassification against HF's EsmForTokenClassification holding the same encoder and classifier."""
+    torch.manual_seed(0)
+    hf_classifier = randomize_(EsmForTokenClassification(hf_esm2_config(**TINY_SHAPE, num_labels=3))).eval()
+    hf_masked_lm = EsmForMaskedLM(hf_esm2_config(**TINY_SHAPE))
+    hf_masked_lm.esm.load_state_dict(hf_classifier.esm.state_dict())
+    encoder = convert_esm_hf_to_te(hf_masked_lm, backend="torch").esm
+    nv_classifier = NVEsmForTokenClassification(NVEsmConfig(**{**encoder.config.to_dict(), "num_labels": 3})).eval()
+    nv_classifier.esm.load_state_dict(encoder.state_dict())
+    nv_classifier.classifier.load_state_dict(hf_classifier.classifier.state_dict())
+
+    input_ids, attention_mask, _ = make_batch([21, 9])
+    labels = torch.where(attention_mask.bool(), torch.randint(0, 3, input_ids.shape), -100)
+    with torch.no_grad():
+        expected = hf_classifier(input_ids, attention_mask=attention_mask, labels=labels)
+        actual = nv_classifier(input_ids, attention_mask=attention_mask, labels=labels)
+    real = attention_mask.bool()
+    assert (actual.logits[real] - expected.logits[real]).abs().max() <= TOLERANCE
+    assert abs(actual.loss.item() - expected.loss.item()) <= TOLERANCE
