@@ -77,6 +77,12 @@ class NVLlamaConfig(LlamaConfig):
     padded_vocab_size: int | None = None
     # One entry per layer: None (bf16/fp32), "fp8" or "fp4"; the matching TE recipe is passed to the model.
     layer_precision: list | None = None
+    # Std of the input-embedding init; None = initializer_range. 1.0 is "Spike No More" (Takase et al., 2023):
+    # unit-scale embeddings keep early-training gradient spikes small (use it with untied embeddings).
+    embedding_init_std: float | None = None
+    # Megatron-style depth scaling: the attention output projection and the MLP down projection start with
+    # std initializer_range / sqrt(2 * num_hidden_layers), so the residual stream's variance does not grow with depth.
+    scale_output_projection_init: bool = False
 
     def __post_init__(self, **kwargs):
         super().__post_init__(**kwargs)
@@ -114,6 +120,8 @@ class NVLlamaConfig(LlamaConfig):
                 problems.append(f"rope_type 'llama3' needs {missing} in rope_parameters")
         if rope.get("partial_rotary_factor", 1.0) != 1.0:
             problems.append("partial_rotary_factor != 1 is not supported")
+        if self.embedding_init_std is not None and not self.embedding_init_std > 0:
+            problems.append(f"embedding_init_std must be positive or None, got {self.embedding_init_std!r}")
         if self.layer_precision is not None:
             if len(self.layer_precision) != self.num_hidden_layers:
                 problems.append(
@@ -293,9 +301,13 @@ class NVLlamaRotaryEmbedding(nn.Module):
 def _build_layers(config: NVLlamaConfig, backend: str) -> nn.ModuleList:
     layer_class = te.TransformerLayer if backend == "te" else TorchTransformerLayer
     std = config.initializer_range
+    output_std = std / math.sqrt(2 * config.num_hidden_layers) if config.scale_output_projection_init else std
 
     def init_method(weight: torch.Tensor) -> None:
         nn.init.normal_(weight, mean=0.0, std=std)
+
+    def output_layer_init_method(weight: torch.Tensor) -> None:
+        nn.init.normal_(weight, mean=0.0, std=output_std)
 
     device_kwargs = {}
     if backend == "te":  # TE allocates on CUDA unless told otherwise; honour a meta-device context
@@ -311,7 +323,7 @@ def _build_layers(config: NVLlamaConfig, backend: str) -> nn.ModuleList:
             hidden_dropout=0.0,
             attention_dropout=config.attention_dropout or 0.0,
             init_method=init_method,
-            output_layer_init_method=init_method,
+            output_layer_init_method=output_layer_init_method,
             layer_number=index + 1,
             self_attn_mask_type="padding_causal",
             layer_type="encoder",  # TE's name for a self-attention-only block (no cross-attention)
@@ -364,7 +376,9 @@ class NVLlamaPreTrainedModel(PreTrainedModel):
     @torch.no_grad()
     def _init_weights(self, module: nn.Module) -> None:
         std = self.config.initializer_range
-        if isinstance(module, nn.Embedding | nn.Linear):
+        if isinstance(module, nn.Embedding) and self.config.embedding_init_std is not None:
+            nn.init.normal_(module.weight, mean=0.0, std=self.config.embedding_init_std)
+        elif isinstance(module, nn.Embedding | nn.Linear):
             nn.init.normal_(module.weight, mean=0.0, std=std)
         elif isinstance(module, RMSNorm):
             nn.init.ones_(module.weight)

@@ -93,3 +93,14 @@ def pack(input_ids, attention_mask, labels):
         "max_length_q": int(lengths.max()),
         "max_length_k": int(lengths.max()),
     }
+
+
+def expected_init_std(name: str, config) -> float | None:
+    """The std a freshly initialised parameter should have, written out from the config (None: norm weights, all 1)."""
+    if name.endswith(("layer_norm_weight", "norm.weight")):
+        return None
+    if name.endswith("embed_tokens.weight") and config.embedding_init_std is not None:
+        return config.embedding_init_std
+    if name.endswith(("self_attention.proj.weight", "fc2_weight")) and config.scale_output_projection_init:
+        return config.initializer_range / (2 * config.num_hidden_layers) ** 0.5
+    return config.initializer_range

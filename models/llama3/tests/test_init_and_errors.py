@@ -2,7 +2,7 @@
 
 import pytest
 import torch
-from llama_testing import TINY_GQA_SHAPE, make_batch, pack
+from llama_testing import TINY_GQA_SHAPE, expected_init_std, make_batch, pack
 
 from llama3_te.convert import convert_llama_hf_to_te
 from llama3_te.modeling_llama_te import NVLlamaConfig, NVLlamaForCausalLM
@@ -39,6 +39,32 @@ def test_meta_init_matches_direct_init_distribution(tie):
     assert torch.allclose(deferred.model.rotary_emb.inv_freq, expected_inv_freq)
 
 
+@pytest.mark.parametrize(
+    "switches",
+    [
+        {"embedding_init_std": 1.0},
+        {"scale_output_projection_init": True},
+        {"embedding_init_std": 1.0, "scale_output_projection_init": True},
+    ],
+    ids=["spike_no_more_embedding", "scaled_output_projections", "both"],
+)
+@pytest.mark.parametrize("on_meta_device", [False, True], ids=["direct", "meta"])
+def test_init_switches_set_the_documented_std(switches, on_meta_device):
+    # 8 layers: scaled output projections start at 0.02 / sqrt(16) = 0.005, far from the unscaled 0.02.
+    config = _config(num_hidden_layers=8, **switches)
+    torch.manual_seed(0)
+    with torch.device("meta" if on_meta_device else "cpu"):
+        model = NVLlamaForCausalLM(config)
+    if on_meta_device:
+        model.init_empty_weights("cpu")
+    for name, param in model.named_parameters():
+        expected = expected_init_std(name, config)
+        if expected is None:
+            assert torch.all(param == 1), name
+        else:
+            assert abs(param.float().std().item() - expected) < 0.05 * expected, (name, param.std().item(), expected)
+
+
 def test_meta_initialised_model_trains():
     with torch.device("meta"):
         model = NVLlamaForCausalLM(_config())
@@ -61,6 +87,7 @@ def test_meta_initialised_model_trains():
         ({"layer_precision": ["fp8"]}, "layer_precision has 1 entries for 2 layers"),
         ({"layer_precision": ["fp8", "int4"]}, "int4"),
         ({"padded_vocab_size": 16}, "padded_vocab_size"),
+        ({"embedding_init_std": 0.0}, "embedding_init_std must be positive"),
     ],
 )
 def test_bad_config_values_are_named(overrides, message):
