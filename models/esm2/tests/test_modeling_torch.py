@@ -7,6 +7,7 @@ from transformers import EsmForMaskedLM, EsmForTokenClassification
 
 from esm2_te.convert import convert_esm_hf_to_te
 from esm2_te.modeling_esm_te import NVEsmConfig, NVEsmForTokenClassification
+from esm2_te.torch_layers import context_parallel_positions
 
 
 TOLERANCE = 1e-4
@@ -141,3 +142,19 @@ def test_token_classification_matches_hugging_face():
     real = attention_mask.bool()
     assert (actual.logits[real] - expected.logits[real]).abs().max() <= TOLERANCE
     assert abs(actual.loss.item() - expected.loss.item()) <= TOLERANCE
+
+
+@pytest.mark.parametrize(
+    ("padded_lengths", "cp_size", "expected"),
+    [
+        # One sequence of 8 over 2 ranks: 4 chunks of 2; rank 0 holds chunks 0 and 3, rank 1 chunks 1 and 2.
+        ([8], 2, [[0, 1, 6, 7], [2, 3, 4, 5]]),
+        # Two sequences (8 and 4): positions restart in each sequence.
+        ([8, 4], 2, [[0, 1, 6, 7, 0, 3], [2, 3, 4, 5, 1, 2]]),
+        # 4 ranks, one sequence of 8: chunks of 1; rank r holds positions r and 7 - r.
+        ([8], 4, [[0, 7], [1, 6], [2, 5], [3, 4]]),
+    ],
+)
+def test_context_parallel_positions_follow_the_load_balanced_split(padded_lengths, cp_size, expected):
+    cu = torch.tensor([0, *torch.tensor(padded_lengths).cumsum(0).tolist()], dtype=torch.int32)
+    assert [context_parallel_positions(cu, cp_size, rank).tolist() for rank in range(cp_size)] == expected

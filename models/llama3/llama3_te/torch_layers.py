@@ -14,6 +14,12 @@ Attention accepts TE's ``bshd`` layout (``[batch, seq, hidden]`` plus a padding 
 (``[tokens, hidden]`` plus ``cu_seqlens``), with the same masking: no token attends across a sequence boundary
 or to padding.
 
+Context parallelism (``set_context_parallel_group``, ``thd`` only), with TE's data layout: each rank holds chunks
+``r`` and ``2 * cp_size - 1 - r`` of every sequence padded to a multiple of ``2 * cp_size``, ``cu_seqlens_*_padded``
+are the global padded boundaries and rotary positions are the tokens' global positions. Where TE passes K/V blocks
+around a ring, this twin all-gathers Q/K/V, attends over the whole batch and keeps its own rows: the same numbers at
+``cp_size`` times the attention cost, which is fine for what it is for (CPU tests of context-parallel training).
+
 Decoding with a KV cache (torch backend only; TE has its own ``InferenceParams``): pass ``inference_params``, any
 object with ``positions`` (rotary position of each new token, [batch, new_tokens]) and
 ``update(layer_number, key, value) -> (all_keys, all_values)`` (BSHD in and out). The layer input is then
@@ -25,6 +31,7 @@ import math
 from collections.abc import Callable
 
 import torch
+import torch.distributed as dist
 import torch.nn.functional as F
 from torch import nn
 
@@ -39,6 +46,7 @@ __all__ = [
     "RMSNorm",
     "TransformerLayer",
     "apply_rotary_pos_emb",
+    "context_parallel_positions",
 ]
 
 
@@ -257,23 +265,50 @@ def _positions_in_sequence(cu_seqlens: torch.Tensor, total_tokens: int) -> torch
     return torch.arange(total_tokens, device=cu_seqlens.device) - starts
 
 
+def context_parallel_positions(cu_seqlens_padded: torch.Tensor, cp_size: int, cp_rank: int) -> torch.Tensor:
+    """Position within its sequence of each token CP rank ``cp_rank`` holds (TE's load-balanced split).
+
+    Every sequence is padded to a multiple of ``2 * cp_size`` and cut into ``2 * cp_size`` chunks; rank r holds
+    chunks r and 2 * cp_size - 1 - r, so causal attention costs every rank the same. E.g. one sequence of 8,
+    cp_size 2: rank 0 holds positions [0, 1, 6, 7], rank 1 holds [2, 3, 4, 5].
+    """
+    local_cu = torch.div(cu_seqlens_padded, cp_size, rounding_mode="floor")
+    total_local = int(local_cu[-1])
+    local_position = _positions_in_sequence(local_cu, total_local)
+    chunk = torch.div(local_cu[1:] - local_cu[:-1], 2, rounding_mode="floor")
+    chunk_of_token = torch.repeat_interleave(chunk, local_cu[1:] - local_cu[:-1], output_size=total_local)
+    in_first_chunk = local_position < chunk_of_token
+    return torch.where(
+        in_first_chunk,
+        cp_rank * chunk_of_token + local_position,
+        (2 * cp_size - 2 - cp_rank) * chunk_of_token + local_position,  # (2cp-1-r) * chunk + (position - chunk)
+    )
+
+
 def apply_rotary_pos_emb(
     t: torch.Tensor,
     freqs: torch.Tensor,
     tensor_format: str = "bshd",
     cu_seqlens: torch.Tensor | None = None,
     positions: torch.Tensor | None = None,
+    cp_size: int = 1,
+    cp_rank: int = 0,
 ) -> torch.Tensor:
     """TE's non-interleaved rotary embedding, computed in float32.
 
     ``freqs`` is [max_seq_len, 1, 1, head_dim] (as ``te.RotaryPositionEmbedding`` returns it). For ``thd``,
-    positions restart at 0 at every sequence boundary given by ``cu_seqlens``. Explicit ``positions`` (the
-    leading dimensions of ``t``: [batch, seq] or [tokens]) override both rules, e.g. for cached decoding.
+    positions restart at 0 at every sequence boundary given by ``cu_seqlens``; with ``cp_size > 1`` (as in TE)
+    ``cu_seqlens`` are the global padded boundaries and ``t`` holds rank ``cp_rank``'s share. Explicit
+    ``positions`` (the leading dimensions of ``t``: [batch, seq] or [tokens]) override these rules, e.g. for
+    cached decoding.
     """
     if positions is not None:
         angles = freqs.reshape(freqs.shape[0], -1)[positions].unsqueeze(-2)  # [..., 1, head_dim]
     elif tensor_format == "thd":
-        positions = _positions_in_sequence(cu_seqlens, t.shape[0])
+        if cp_size > 1:
+            positions = context_parallel_positions(cu_seqlens, cp_size, cp_rank)
+        else:
+            positions = _positions_in_sequence(cu_seqlens, t.shape[0])
         angles = freqs[positions]  # [t, 1, 1, d] -> broadcast over heads below
         angles = angles.view(t.shape[0], 1, -1)
     elif tensor_format == "bshd":
@@ -283,6 +318,28 @@ def apply_rotary_pos_emb(
     t_float = t.float()
     rotated = t_float * angles.cos() + _rotate_half(t_float) * angles.sin()
     return rotated.to(t.dtype)
+
+
+class _AllGatherTokens(torch.autograd.Function):
+    """All-gather along dim 0 (equal shares), backward: the sum over ranks of the gradient of this rank's share.
+
+    An all-reduce plus a slice instead of a reduce-scatter, so that it also runs on gloo (CPU tests).
+    """
+
+    @staticmethod
+    def forward(ctx, x: torch.Tensor, group) -> torch.Tensor:
+        ctx.group = group
+        shares = [torch.empty_like(x) for _ in range(dist.get_world_size(group))]
+        dist.all_gather(shares, x.contiguous(), group=group)
+        return torch.cat(shares)
+
+    @staticmethod
+    def backward(ctx, grad: torch.Tensor):
+        grad = grad.contiguous()
+        dist.all_reduce(grad, group=ctx.group)
+        share = grad.shape[0] // dist.get_world_size(ctx.group)
+        start = dist.get_rank(ctx.group) * share
+        return grad[start : start + share], None
 
 
 class DotProductAttention(_ExtraStateMixin, nn.Module):
@@ -311,10 +368,15 @@ class DotProductAttention(_ExtraStateMixin, nn.Module):
         self.qkv_format = qkv_format
         self.attn_mask_type = attn_mask_type
         self.softmax_scale = softmax_scale if softmax_scale is not None else 1.0 / math.sqrt(kv_channels)
+        self.cp_group = None
 
     @property
     def causal(self) -> bool:
         return "causal" in self.attn_mask_type
+
+    def set_context_parallel_group(self, cp_group, cp_global_ranks=None, cp_stream=None, cp_comm_type="p2p") -> None:
+        """Split ``thd`` attention over ``cp_group`` (see the module docstring); the stream and ranks are TE's."""
+        self.cp_group = cp_group if cp_group is not None and dist.get_world_size(cp_group) > 1 else None
 
     def forward(
         self,
@@ -325,10 +387,17 @@ class DotProductAttention(_ExtraStateMixin, nn.Module):
         cu_seqlens_q: torch.Tensor | None = None,
         max_seqlen_q: int | None = None,
         qkv_format: str | None = None,
+        cu_seqlens_q_padded: torch.Tensor | None = None,
         **_,
     ) -> torch.Tensor:
         if (qkv_format or self.qkv_format) == "thd":
+            if self.cp_group is not None:
+                return self._forward_thd_context_parallel(
+                    query, key, value, cu_seqlens_q, cu_seqlens_q_padded, max_seqlen_q
+                )
             return self._forward_thd(query, key, value, cu_seqlens_q, max_seqlen_q)
+        if self.cp_group is not None:
+            raise ValueError("context-parallel attention takes thd input only")
         # bshd: [b, s, h, d]; TE's padding mask is True where a key must be ignored, shape [b, 1, 1, s].
         out = self._sdpa(query, key, value, keep_mask=None if attention_mask is None else ~attention_mask)
         return out.reshape(out.shape[0], out.shape[1], -1)
@@ -358,7 +427,10 @@ class DotProductAttention(_ExtraStateMixin, nn.Module):
         )
         return out.transpose(1, 2)
 
-    def _forward_thd(self, q, k, v, cu_seqlens: torch.Tensor, max_seqlen: int | None) -> torch.Tensor:
+    def _forward_thd(
+        self, q, k, v, cu_seqlens: torch.Tensor, max_seqlen: int | None, key_lengths=None
+    ) -> torch.Tensor:
+        """``key_lengths`` (default: the segment lengths) hides each segment's trailing keys, e.g. CP padding."""
         if cu_seqlens is None:
             raise ValueError("thd attention needs cu_seqlens_q")
         total = q.shape[0]
@@ -372,9 +444,32 @@ class DotProductAttention(_ExtraStateMixin, nn.Module):
             padded[slot] = x
             return padded.view(len(lengths), max_len, *x.shape[1:])
 
-        keep = torch.arange(max_len, device=q.device)[None, :] < lengths[:, None]  # [n, max_len]
+        key_lengths = lengths if key_lengths is None else key_lengths
+        keep = torch.arange(max_len, device=q.device)[None, :] < key_lengths[:, None]  # [n, max_len]
         out = self._sdpa(to_padded(q), to_padded(k), to_padded(v), keep_mask=keep[:, None, None, :])
         return out.reshape(len(lengths) * max_len, -1)[slot]
+
+    def _forward_thd_context_parallel(self, q, k, v, cu_seqlens, cu_seqlens_padded, max_seqlen) -> torch.Tensor:
+        if cu_seqlens is None or cu_seqlens_padded is None:
+            raise ValueError("context-parallel thd attention needs cu_seqlens_q and cu_seqlens_q_padded")
+        cp_size, cp_rank = dist.get_world_size(self.cp_group), dist.get_rank(self.cp_group)
+        starts = cu_seqlens_padded[:-1]
+        local_lengths = torch.div(cu_seqlens_padded[1:] - starts, cp_size, rounding_mode="floor")
+        start_of_token = torch.repeat_interleave(starts, local_lengths, output_size=q.shape[0])
+
+        def global_rows(rank: int) -> torch.Tensor:
+            return start_of_token + context_parallel_positions(cu_seqlens_padded, cp_size, rank)
+
+        # One all-gather for Q, K and V; rows come back rank by rank and are put in global order.
+        widths = [x.shape[1] for x in (q, k, v)]
+        local = torch.cat([q, k, v], dim=1)
+        gathered = _AllGatherTokens.apply(local, self.cp_group)
+        order = torch.argsort(torch.cat([global_rows(rank) for rank in range(cp_size)]))
+        full_q, full_k, full_v = gathered[order].split(widths, dim=1)
+        out = self._forward_thd(
+            full_q, full_k, full_v, cu_seqlens_padded, max_seqlen, key_lengths=cu_seqlens[1:] - cu_seqlens[:-1]
+        )
+        return out[global_rows(cp_rank)]
 
 
 class MultiheadAttention(nn.Module):
@@ -429,6 +524,9 @@ class MultiheadAttention(nn.Module):
         )
         self.proj = Linear(self.num_heads * self.head_dim, hidden_size, init_method=output_layer_init_method, **common)
 
+    def set_context_parallel_group(self, cp_group, cp_global_ranks=None, cp_stream=None, cp_comm_type="p2p") -> None:
+        self.core_attention.set_context_parallel_group(cp_group, cp_global_ranks, cp_stream, cp_comm_type)
+
     def _split_qkv(self, mixed: torch.Tensor):
         per_group = self.num_heads // self.num_gqa_groups
         lead = mixed.shape[:-1]
@@ -448,6 +546,7 @@ class MultiheadAttention(nn.Module):
         cu_seqlens_q: torch.Tensor | None = None,
         max_seqlen_q: int | None = None,
         inference_params=None,
+        cu_seqlens_q_padded: torch.Tensor | None = None,
         **_,
     ) -> torch.Tensor:
         q, k, v = self._split_qkv(self.layernorm_qkv(hidden_states))
@@ -457,11 +556,23 @@ class MultiheadAttention(nn.Module):
                 k = apply_rotary_pos_emb(k, rotary_pos_emb, "bshd", positions=inference_params.positions)
             k, v = inference_params.update(self.layer_number, k, v)
             return self.proj(self.core_attention(q, k, v, attention_mask=attention_mask, qkv_format="bshd"))
+        cp_group = self.core_attention.cp_group
         if rotary_pos_emb is not None:
-            q = apply_rotary_pos_emb(q, rotary_pos_emb, self.qkv_format, cu_seqlens_q)
-            k = apply_rotary_pos_emb(k, rotary_pos_emb, self.qkv_format, cu_seqlens_q)
+            if cp_group is not None:  # this rank's tokens sit at global positions of the padded sequences
+                cp = {"cp_size": dist.get_world_size(cp_group), "cp_rank": dist.get_rank(cp_group)}
+                q = apply_rotary_pos_emb(q, rotary_pos_emb, "thd", cu_seqlens_q_padded, **cp)
+                k = apply_rotary_pos_emb(k, rotary_pos_emb, "thd", cu_seqlens_q_padded, **cp)
+            else:
+                q = apply_rotary_pos_emb(q, rotary_pos_emb, self.qkv_format, cu_seqlens_q)
+                k = apply_rotary_pos_emb(k, rotary_pos_emb, self.qkv_format, cu_seqlens_q)
         context = self.core_attention(
-            q, k, v, attention_mask=attention_mask, cu_seqlens_q=cu_seqlens_q, max_seqlen_q=max_seqlen_q
+            q,
+            k,
+            v,
+            attention_mask=attention_mask,
+            cu_seqlens_q=cu_seqlens_q,
+            max_seqlen_q=max_seqlen_q,
+            cu_seqlens_q_padded=cu_seqlens_q_padded,
         )
         return self.proj(context)
 
@@ -527,6 +638,10 @@ class TransformerLayer(nn.Module):
             **common,
         )
 
+    def set_context_parallel_group(self, cp_group, cp_global_ranks=None, cp_stream=None, cp_comm_type="p2p") -> None:
+        """As ``te.TransformerLayer``: split the self-attention of ``thd`` batches over ``cp_group``."""
+        self.self_attention.set_context_parallel_group(cp_group, cp_global_ranks, cp_stream, cp_comm_type)
+
     def forward(
         self,
         hidden_states: torch.Tensor,
@@ -537,6 +652,8 @@ class TransformerLayer(nn.Module):
         max_seqlen_q: int | None = None,
         max_seqlen_kv: int | None = None,
         inference_params=None,
+        cu_seqlens_q_padded: torch.Tensor | None = None,
+        cu_seqlens_kv_padded: torch.Tensor | None = None,
         **_,
     ) -> torch.Tensor:
         attention_out = self.self_attention(
@@ -546,6 +663,7 @@ class TransformerLayer(nn.Module):
             cu_seqlens_q=cu_seqlens_q,
             max_seqlen_q=max_seqlen_q,
             inference_params=inference_params,
+            cu_seqlens_q_padded=cu_seqlens_q_padded,
         )
         hidden_states = hidden_states + F.dropout(attention_out, self.hidden_dropout, self.training)
         mlp_out = self.layernorm_mlp(hidden_states)

@@ -1,5 +1,8 @@
-"""torchrun helper (2 GPUs, TE): a packed batch split over context-parallel ranks gives the same logits and loss as
-the whole batch on one GPU. Prints CP-OK on rank 0."""
+"""torchrun helper: a packed batch split over context-parallel ranks gives the same logits, loss and gradients as
+the whole batch in one process. Argument: backend (te: one GPU per rank, bf16; torch: CPU processes on gloo,
+float32). Prints CP-OK on rank 0."""
+
+import sys
 
 import torch
 import torch.distributed as dist
@@ -17,15 +20,19 @@ def dual_chunk_positions(padded_cu: list[int], rank: int, cp_size: int) -> torch
     return torch.cat(pieces)
 
 
-def main() -> None:
-    dist.init_process_group("nccl")
+def main(backend: str) -> None:
+    on_gpu = backend == "te"
+    dist.init_process_group("nccl" if on_gpu else "gloo")
     rank, cp_size = dist.get_rank(), dist.get_world_size()
-    torch.cuda.set_device(rank)
+    device = torch.device("cuda", rank) if on_gpu else torch.device("cpu")
+    if on_gpu:
+        torch.cuda.set_device(device)
     torch.manual_seed(0)
     config = NVEsmConfig(
-        num_hidden_layers=4, hidden_size=320, num_attention_heads=20, intermediate_size=1280, backend="te"
+        num_hidden_layers=4, hidden_size=320, num_attention_heads=20, intermediate_size=1280, backend=backend
     )
-    model = NVEsmForMaskedLM(config).cuda().to(torch.bfloat16)
+    model = NVEsmForMaskedLM(config).to(device, torch.bfloat16 if on_gpu else torch.float32)
+    tolerance = 2e-2 if on_gpu else 1e-4
 
     lengths = [300, 123, 77]
     padded = [((n + 2 * cp_size - 1) // (2 * cp_size)) * 2 * cp_size for n in lengths]
@@ -42,36 +49,53 @@ def main() -> None:
         padded_cu.append(padded_cu[-1] + p)
 
     # Reference: the same padded batch (CP padding is part of each sequence) on one GPU, no context parallelism.
-    cu = torch.tensor(padded_cu, dtype=torch.int32, device="cuda")
+    cu = torch.tensor(padded_cu, dtype=torch.int32, device=device)
     lengths_kwargs = {
         "cu_seq_lens_q": cu,
         "cu_seq_lens_k": cu,
         "max_length_q": max(padded),
         "max_length_k": max(padded),
     }
-    with torch.no_grad():
-        reference = model(input_ids=input_ids.cuda().unsqueeze(0), labels=labels.cuda().unsqueeze(0), **lengths_kwargs)
+    reference = model(
+        input_ids=input_ids.to(device).unsqueeze(0), labels=labels.to(device).unsqueeze(0), **lengths_kwargs
+    )
+    reference.loss.backward()
+    reference_grads = {name: p.grad.clone() for name, p in model.named_parameters() if p.grad is not None}
+    model.zero_grad()
 
     group = dist.new_group(list(range(cp_size)))
-    model.esm.set_context_parallel_group(group, list(range(cp_size)), torch.cuda.Stream())
+    model.esm.set_context_parallel_group(group, list(range(cp_size)), torch.cuda.Stream() if on_gpu else None)
     local = dual_chunk_positions(padded_cu, rank, cp_size)
     cp_batch = {
-        "input_ids": input_ids[local].cuda().unsqueeze(0),
-        "labels": labels[local].cuda().unsqueeze(0),
+        "input_ids": input_ids[local].to(device).unsqueeze(0),
+        "labels": labels[local].to(device).unsqueeze(0),
         "cu_seq_lens_q_padded": cu,
         "cu_seq_lens_k_padded": cu,
         **lengths_kwargs,
     }
-    with torch.no_grad():
-        out = model(**cp_batch)
+    out = model(**cp_batch)
+    # Gradients: each rank's loss is its share of the CP group's mean, so the ranks' gradients sum to the whole
+    # batch's (data parallelism over dp x cp ranks averages them, and the loss is scaled by cp_size for that).
+    out.loss.backward()
+    for name, param in model.named_parameters():
+        if param.grad is None:
+            continue
+        grad = param.grad.clone()
+        dist.all_reduce(grad)
+        grad /= cp_size
+        grad_error = (
+            (grad.float() - reference_grads[name].float()).norm() / reference_grads[name].float().norm()
+        ).item()
+        assert grad_error < 5 * tolerance, f"{name}: CP gradient differs from the reference by {grad_error}"
+    model.zero_grad()
     gathered = [torch.empty_like(out.logits) for _ in range(cp_size)]
     dist.all_gather(gathered, out.logits.contiguous())
-    full = torch.empty(1, sum(padded), config.vocab_size, device="cuda", dtype=out.logits.dtype)
+    full = torch.empty(1, sum(padded), config.vocab_size, device=device, dtype=out.logits.dtype)
     for r, logits in enumerate(gathered):
-        full[0, dual_chunk_positions(padded_cu, r, cp_size).cuda()] = logits
+        full[0, dual_chunk_positions(padded_cu, r, cp_size).to(device)] = logits
     error = ((full.float() - reference.logits.float()).norm() / reference.logits.float().norm()).item()
-    assert error < 2e-2, f"CP logits differ from the single-GPU reference: relative error {error}"
-    assert abs(out.loss.item() - reference.loss.item()) < 1e-2 * reference.loss.item(), (out.loss, reference.loss)
+    assert error < tolerance, f"CP logits differ from the single-process reference: relative error {error}"
+    assert abs(out.loss.item() - reference.loss.item()) < tolerance * reference.loss.item(), (out.loss, reference.loss)
 
     # A few optimizer steps through ring attention: loss and gradients stay finite (reused memory included).
     optimizer = torch.optim.AdamW(model.parameters(), lr=1e-4)
@@ -88,4 +112,4 @@ def main() -> None:
 
 
 if __name__ == "__main__":
-    main()
+    main(sys.argv[1] if len(sys.argv) > 1 else "te")
