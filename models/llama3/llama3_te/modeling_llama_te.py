@@ -157,6 +157,10 @@ class PackedBatch:
     padded_shape: tuple[int, int] | None = None  # (batch, seq) when the input was BSHD
     token_index: torch.Tensor | None = None  # flat positions of real tokens in the BSHD input
     num_real_tokens: int | None = None  # tokens before alignment padding was appended
+    # Context parallelism: the full batch's padded boundaries ([0, ...] in global token counts); the local tokens
+    # are this rank's share (1 / cp_size of every padded sequence, see torch_layers.context_parallel_positions).
+    cu_seqlens_padded: torch.Tensor | None = None
+    cp_group: object | None = None
 
     def unpack(self, packed: torch.Tensor) -> torch.Tensor:
         """[tokens, ...] -> the caller's layout: [batch, seq, ...] for BSHD (zeros at padding), [1, tokens, ...] for THD."""
@@ -168,6 +172,12 @@ class PackedBatch:
         out = packed.new_zeros(batch * seq, *packed.shape[1:])
         out[self.token_index] = packed
         return out.view(batch, seq, *packed.shape[1:])
+
+    def pack_like(self, values: torch.Tensor) -> torch.Tensor:
+        """Apply the same packing to a per-token tensor given in the caller's layout (e.g. shifted labels)."""
+        flat = values.reshape(-1) if self.padded_shape is None else values.reshape(-1)[self.token_index]
+        extra = self.input_ids.shape[0] - flat.shape[0]
+        return F.pad(flat, (0, extra), value=-100) if extra else flat
 
     def next_token_labels(self, labels: torch.Tensor) -> torch.Tensor:
         """Packed labels shifted for next-token prediction: token i is scored on label i + 1 of its own sequence;
@@ -203,8 +213,16 @@ def pack_inputs(
     max_length_q: int | None,
     pad_token_id: int,
     align_to: int = 1,
+    cu_seq_lens_q_padded: torch.Tensor | None = None,
+    cp_group=None,
 ) -> PackedBatch:
     """Validate BSHD or THD inputs and return them packed (see ``PackedBatch``)."""
+    if cp_group is not None:
+        return _pack_context_parallel(
+            input_ids, attention_mask, cu_seq_lens_q, cu_seq_lens_q_padded, max_length_q, cp_group
+        )
+    if cu_seq_lens_q_padded is not None:
+        raise ValueError("cu_seq_lens_q_padded is for context parallelism: call set_context_parallel_group() first")
     if cu_seq_lens_q is None:
         if cu_seq_lens_k is not None:
             raise ValueError("cu_seq_lens_k was given without cu_seq_lens_q")
@@ -255,6 +273,38 @@ def pack_inputs(
         packed.cu_seqlens = torch.cat([packed.cu_seqlens, packed.cu_seqlens[-1:] + extra])
         packed.max_seqlen = max(packed.max_seqlen, extra)
     return packed
+
+
+def _pack_context_parallel(input_ids, attention_mask, cu_seq_lens_q, cu_seq_lens_q_padded, max_length_q, cp_group):
+    """THD input already split for context parallelism: local tokens, global real and padded boundaries.
+
+    Pass the padded boundaries as both (as the recipes' collators do): TE's ring attention leaves the output rows of
+    padding it is told to skip (real < padded) unwritten, and that garbage would reach the weight gradients. With
+    causal attention no real token sees the padding that follows it, so nothing changes for real tokens.
+    """
+    if cu_seq_lens_q is None or cu_seq_lens_q_padded is None or attention_mask is not None:
+        raise ValueError(
+            "context parallelism takes THD input: input_ids [1, local tokens], cu_seq_lens_q and "
+            "cu_seq_lens_q_padded (lengths padded to a multiple of 2 * cp_size), no attention_mask"
+        )
+    tokens = input_ids.reshape(-1)
+    cp_size = torch.distributed.get_world_size(cp_group)
+    _check(
+        cu_seq_lens_q_padded[-1] == tokens.numel() * cp_size,
+        f"cu_seq_lens_q_padded must end at local tokens x cp_size ({tokens.numel()} x {cp_size})",
+    )
+    _check(
+        (cu_seq_lens_q_padded % (2 * cp_size) == 0).all(), "padded sequence lengths must be multiples of 2 * cp_size"
+    )
+    if max_length_q is None:  # costs a host-device sync; collators pass it
+        max_length_q = int((cu_seq_lens_q_padded[1:] - cu_seq_lens_q_padded[:-1]).max())
+    return PackedBatch(
+        tokens,
+        cu_seq_lens_q.to(torch.int32),
+        int(max_length_q),
+        cu_seqlens_padded=cu_seq_lens_q_padded.to(torch.int32),
+        cp_group=cp_group,
+    )
 
 
 # ------------------------------------------------------------------------------------------------- layers
@@ -429,6 +479,7 @@ class NVLlamaModel(NVLlamaPreTrainedModel):
                 raise ValueError(f"config.layer_precision asks for {precision} but no {precision}_recipe was passed")
             if self.backend != "te":
                 raise ValueError(f"{precision} layers need the TransformerEngine backend (this model uses 'torch')")
+        self.cp_group = None
         self.post_init()
 
     def get_input_embeddings(self) -> nn.Embedding:
@@ -438,11 +489,13 @@ class NVLlamaModel(NVLlamaPreTrainedModel):
         self.embed_tokens = value
 
     def set_context_parallel_group(self, cp_group, cp_global_ranks, cp_stream, cp_comm_type: str = "p2p") -> None:
-        """Split every attention over ``cp_group`` (TE backend only)."""
-        if self.backend != "te":
-            raise RuntimeError("context parallelism needs the TransformerEngine backend")
+        """Split every attention over ``cp_group``: TE's ring attention, or on the torch backend an all-gathered
+        attention with the same results (for CPU tests; it costs ``cp_size`` times the attention compute).
+
+        Batches must then be THD and already split (see ``_pack_context_parallel``), with ``shift_labels``."""
         for layer in self.layers:
             layer.set_context_parallel_group(cp_group, cp_global_ranks, cp_stream, cp_comm_type)
+        self.cp_group = cp_group
 
     def _precision_context(self, layer_index: int):
         precision = self.layer_precision[layer_index]
@@ -454,16 +507,38 @@ class NVLlamaModel(NVLlamaPreTrainedModel):
     def _alignment(self) -> int:
         return 16 if any(p is not None for p in self.layer_precision) else 1
 
-    def pack(self, input_ids, attention_mask=None, cu_seq_lens_q=None, cu_seq_lens_k=None, max_length_q=None):
+    def pack(
+        self,
+        input_ids,
+        attention_mask=None,
+        cu_seq_lens_q=None,
+        cu_seq_lens_k=None,
+        max_length_q=None,
+        cu_seq_lens_q_padded=None,
+    ) -> PackedBatch:
         pad = self.config.pad_token_id if self.config.pad_token_id is not None else 0
         return pack_inputs(
-            input_ids, attention_mask, cu_seq_lens_q, cu_seq_lens_k, max_length_q, pad, self._alignment()
+            input_ids,
+            attention_mask,
+            cu_seq_lens_q,
+            cu_seq_lens_k,
+            max_length_q,
+            pad,
+            self._alignment(),
+            cu_seq_lens_q_padded,
+            self.cp_group,
         )
 
     def forward_packed(self, packed: PackedBatch, output_hidden_states: bool = False):
         """Run the decoder on packed tokens: returns ([tokens, hidden], tuple of per-layer inputs or None)."""
         hidden = self.embed_tokens(packed.input_ids)
         rotary = self.rotary_emb(packed.max_seqlen)
+        padded_boundaries = {}
+        if packed.cu_seqlens_padded is not None:
+            padded_boundaries = {
+                "cu_seqlens_q_padded": packed.cu_seqlens_padded,
+                "cu_seqlens_kv_padded": packed.cu_seqlens_padded,
+            }
         all_hidden = []
         for index, layer in enumerate(self.layers):
             if output_hidden_states:
@@ -476,6 +551,7 @@ class NVLlamaModel(NVLlamaPreTrainedModel):
                     cu_seqlens_kv=packed.cu_seqlens,
                     max_seqlen_q=packed.max_seqlen,
                     max_seqlen_kv=packed.max_seqlen,
+                    **padded_boundaries,
                 )
         hidden = self.norm(hidden)
         if output_hidden_states:
@@ -531,6 +607,8 @@ class NVLlamaModel(NVLlamaPreTrainedModel):
         cu_seq_lens_k: torch.Tensor | None = None,
         max_length_q: int | None = None,
         max_length_k: int | None = None,
+        cu_seq_lens_q_padded: torch.Tensor | None = None,
+        cu_seq_lens_k_padded: torch.Tensor | None = None,
         output_hidden_states: bool | None = None,
         return_dict: bool | None = None,
         **kwargs,
@@ -541,7 +619,7 @@ class NVLlamaModel(NVLlamaPreTrainedModel):
             past_key_values = past_key_values if past_key_values is not None else DynamicCache(config=self.config)
             hidden = self.forward_cached(input_ids, attention_mask, position_ids, past_key_values)
             return BaseModelOutputWithPast(last_hidden_state=hidden, past_key_values=past_key_values)
-        packed = self.pack(input_ids, attention_mask, cu_seq_lens_q, cu_seq_lens_k, max_length_q)
+        packed = self.pack(input_ids, attention_mask, cu_seq_lens_q, cu_seq_lens_k, max_length_q, cu_seq_lens_q_padded)
         hidden, all_hidden = self.forward_packed(packed, bool(output_hidden_states))
         return BaseModelOutputWithPast(
             last_hidden_state=packed.unpack(hidden),
@@ -555,14 +633,28 @@ def _wants_cache(past_key_values: Cache | None, use_cache: bool | None) -> bool:
     return past_key_values is not None or use_cache is True
 
 
-def _causal_lm_loss(logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
-    """Mean cross-entropy over labelled tokens; 0 (not NaN) for a batch without any."""
-    losses = F.cross_entropy(logits.float(), labels, ignore_index=-100, reduction="sum")
-    return losses / (labels != -100).sum().clamp(min=1)
+def _causal_lm_loss(logits: torch.Tensor, targets: torch.Tensor, cp_group=None) -> torch.Tensor:
+    """Mean cross-entropy over labelled tokens; 0 (not NaN) for a batch without any.
+
+    Under context parallelism each rank holds part of the targets. The value returned is the mean over the whole
+    CP group; the gradient is scaled so that the data-parallel gradient average over (dp x cp) ranks equals the
+    average over dp of each group's mean.
+    """
+    loss_sum = F.cross_entropy(logits.float(), targets, ignore_index=-100, reduction="sum")
+    count = (targets != -100).sum()
+    if cp_group is None:
+        return loss_sum / count.clamp(min=1)
+    totals = torch.stack([loss_sum.detach(), count.to(loss_sum.dtype)])
+    torch.distributed.all_reduce(totals, group=cp_group)
+    cp_size = torch.distributed.get_world_size(cp_group)
+    local = loss_sum * cp_size / totals[1].clamp(min=1)
+    return local - local.detach() + totals[0] / totals[1].clamp(min=1)
 
 
 class NVLlamaForCausalLM(NVLlamaPreTrainedModel, GenerationMixin):
     _tied_weights_keys = {"lm_head.weight": "model.embed_tokens.weight"}
+    # Takes context-parallel shards (model.set_context_parallel_group + cu_seq_lens_q_padded + shift_labels).
+    supports_context_parallel = True
 
     def __init__(self, config: NVLlamaConfig, fp8_recipe=None, fp4_recipe=None):
         super().__init__(config)
@@ -613,21 +705,41 @@ class NVLlamaForCausalLM(NVLlamaPreTrainedModel, GenerationMixin):
         output_hidden_states: bool | None = None,
         return_dict: bool | None = None,
         logits_to_keep: int = 0,
+        shift_labels: torch.Tensor | None = None,
+        cu_seq_lens_q_padded: torch.Tensor | None = None,
+        cu_seq_lens_k_padded: torch.Tensor | None = None,
         **kwargs,
     ) -> CausalLMOutputWithPast:
-        """Next-token logits; ``labels`` are the input tokens (shifted inside, per sequence, as Hugging Face does)."""
+        """Next-token logits; ``labels`` are the input tokens (shifted inside, per sequence, as Hugging Face does).
+
+        ``shift_labels`` (Hugging Face's name) are targets already shifted: token i is scored on ``shift_labels[i]``.
+        Context-parallel shards need them, since a shard's next token may live on another rank.
+        """
+        if labels is not None and shift_labels is not None:
+            raise ValueError("pass labels (shifted inside) or shift_labels (already shifted), not both")
         if _wants_cache(past_key_values, use_cache):
-            if labels is not None:
+            if labels is not None or shift_labels is not None:
                 raise ValueError("labels cannot be combined with a KV cache; pass use_cache=False to compute a loss")
             out = self.model(input_ids, attention_mask, position_ids, past_key_values, use_cache=True)
             hidden = out.last_hidden_state
             if logits_to_keep:
                 hidden = hidden[:, -logits_to_keep:]
             return CausalLMOutputWithPast(logits=self._logits(hidden), past_key_values=out.past_key_values)
-        packed = self.model.pack(input_ids, attention_mask, cu_seq_lens_q, cu_seq_lens_k, max_length_q)
+        packed = self.model.pack(
+            input_ids, attention_mask, cu_seq_lens_q, cu_seq_lens_k, max_length_q, cu_seq_lens_q_padded
+        )
+        if packed.cp_group is not None and labels is not None:
+            raise ValueError(
+                "under context parallelism pass shift_labels (targets shifted to the next token before the batch "
+                "was split over ranks), not labels"
+            )
         hidden, all_hidden = self.model.forward_packed(packed, bool(output_hidden_states))
         logits = self._logits(hidden)
-        loss = None if labels is None else _causal_lm_loss(logits, packed.next_token_labels(labels))
+        loss = None
+        if labels is not None:
+            loss = _causal_lm_loss(logits, packed.next_token_labels(labels))
+        elif shift_labels is not None:
+            loss = _causal_lm_loss(logits, packed.pack_like(shift_labels), packed.cp_group)
         logits = packed.unpack(logits)
         if logits_to_keep:
             logits = logits[..., -logits_to_keep:, :]

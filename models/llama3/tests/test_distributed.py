@@ -1,4 +1,5 @@
-"""Multi-process tests: FSDP2-sharded meta-device init with the init switches (CPU processes and GPUs)."""
+"""Multi-process tests: FSDP2-sharded meta-device init with the init switches, and context parallelism (CPU
+processes on gloo with the torch backend; 2 GPUs with TE)."""
 
 import os
 import subprocess
@@ -33,3 +34,17 @@ def test_sharded_meta_init_with_te_two_gpus():
     result = _torchrun("fsdp2_meta_init.py", 2, "te")
     assert result.returncode == 0, result.stderr[-3000:]
     assert "STATS-OK" in result.stdout
+
+
+def test_context_parallel_matches_single_process_on_cpu_torch_backend():
+    result = _torchrun("context_parallel.py", 2, "torch")
+    assert result.returncode == 0, result.stderr[-3000:]
+    assert "CP-OK" in result.stdout
+
+
+@pytest.mark.requires_te
+@pytest.mark.requires_multi_gpu
+def test_context_parallel_matches_single_gpu_two_gpus():
+    result = _torchrun("context_parallel.py", 2, "te")
+    assert result.returncode == 0, result.stderr[-3000:]
+    assert "CP-OK" in result.stdout

@@ -149,3 +149,11 @@ def test_cache_errors_are_named(tiny_model):
         tiny_model(input_ids, attention_mask=attention_mask, labels=labels, use_cache=True)
     with pytest.raises(ValueError, match="attention_mask must cover"):
         tiny_model(input_ids, attention_mask=attention_mask[:, :4], use_cache=True)
+
+
+def test_labels_and_shift_labels_are_exclusive_and_cp_needs_a_group(tiny_model):
+    batch = pack(*make_batch([10, 6]))
+    with pytest.raises(ValueError, match="not both"):
+        tiny_model(**batch, shift_labels=batch["labels"])
+    with pytest.raises(ValueError, match="call set_context_parallel_group"):
+        tiny_model(**batch, cu_seq_lens_q_padded=batch["cu_seq_lens_q"])

@@ -108,6 +108,24 @@ def test_packed_loss_does_not_predict_across_sequence_boundaries(hf_tiny):
     assert abs(packed.item() - total / count) <= TOLERANCE
 
 
+@pytest.mark.parametrize("input_format", ["bshd", "thd"])
+def test_shift_labels_equal_hugging_face_loss(hf_tiny, input_format):
+    """Targets shifted by the caller (Hugging Face's ``shift_labels``) give HF's loss, in both layouts."""
+    nv_model = convert_llama_hf_to_te(hf_tiny, backend="torch").eval()
+    input_ids, attention_mask, labels = make_batch([12, 30, 7], seed=5)
+    shifted = torch.nn.functional.pad(labels[:, 1:], (0, 1), value=-100)  # right padding: -100 after the end
+    with torch.no_grad():
+        expected = hf_tiny(input_ids, attention_mask=attention_mask, labels=labels).loss
+        if input_format == "bshd":
+            loss = nv_model(input_ids, attention_mask=attention_mask, shift_labels=shifted).loss
+        else:
+            batch = pack(input_ids, attention_mask, labels)
+            batch["shift_labels"] = shifted[attention_mask.bool()][None]
+            del batch["labels"]
+            loss = nv_model(**batch).loss
+    assert abs(loss.item() - expected.item()) <= TOLERANCE
+
+
 @pytest.mark.parametrize("input_format", ["left-padded", "thd"])
 def test_each_sequence_equals_hugging_face_on_it_alone(hf_tiny, input_format):
     """Left padding (positions start at the first real token) and packing both give, for every sequence, what
