@@ -156,8 +156,17 @@ def tokenize(sequences: list[str], tokenizer) -> list[np.ndarray]:
 class GenomicBatches(torch.utils.data.IterableDataset):
     """An endless, resumable stream of training batches for one data-parallel rank."""
 
-    def __init__(self, tokens: list[np.ndarray], tokenizer, cfg: dict, dp_rank: int, dp_world_size: int, seed: int):
-        self.tokens, self.cfg, self.seed = tokens, cfg, seed
+    def __init__(
+        self,
+        tokens: list[np.ndarray],
+        tokenizer,
+        cfg: dict,
+        dp_rank: int,
+        dp_world_size: int,
+        seed: int,
+        cp_size: int = 1,
+    ):
+        self.tokens, self.cfg, self.seed, self.cp_size = tokens, cfg, seed, cp_size
         self.dp_rank, self.dp_world_size = dp_rank, dp_world_size
         self.windows = [
             (index, start)
@@ -187,7 +196,7 @@ class GenomicBatches(torch.utils.data.IterableDataset):
         windows = self._window_stream()
         if self.cfg["input_format"] == "thd":
             for pieces in pack_windows(windows, self.cfg["token_budget"], self.cfg["split_samples"]):
-                yield lambda pieces=pieces: collate_thd(pieces, self.labels)
+                yield lambda pieces=pieces: collate_thd(pieces, self.labels, self.cp_size, self.pad_token_id)
         else:
             while True:
                 group = [next(windows) for _ in range(self.cfg["micro_batch_size"])]
@@ -235,12 +244,20 @@ def validate_data_config(data_cfg: Any) -> dict:
     return cfg
 
 
-def create_dataloader(data_cfg: Any, tokenizer, dp_rank: int = 0, dp_world_size: int = 1, seed: int = 42):
-    """A ``StatefulDataLoader`` over this rank's batches: save ``state_dict()`` with a checkpoint to resume exactly."""
+def create_dataloader(
+    data_cfg: Any, tokenizer, dp_rank: int = 0, dp_world_size: int = 1, seed: int = 42, cp_size: int = 1
+):
+    """A ``StatefulDataLoader`` over this rank's batches: save ``state_dict()`` with a checkpoint to resume exactly.
+
+    With ``cp_size > 1`` it yields full context-parallel batches (see ``collator``); every rank of a CP group reads
+    the same ones (same ``dp_rank``) and keeps its own shard with ``collator.shard_for_context_parallel``.
+    """
     cfg = validate_data_config(data_cfg)
+    if cp_size > 1 and cfg["input_format"] != "thd":
+        raise ValueError(f"context parallelism (cp_size={cp_size}) needs dataset.input_format=thd")
     sequences = read_sequences(str(cfg["path"]), cfg["format"], cfg["sequence_column"], cfg["strip_whitespace"])
     tokens = tokenize(sequences, tokenizer)
-    dataset = GenomicBatches(tokens, tokenizer, cfg, dp_rank, dp_world_size, seed)
+    dataset = GenomicBatches(tokens, tokenizer, cfg, dp_rank, dp_world_size, seed, cp_size)
     logger.info(
         "Data: %d sequences, %d bases, %d windows of <= %d tokens",
         len(tokens),

@@ -1,47 +1,142 @@
-"""Context-parallel pre-training (each window split over ``cp_size`` GPUs, FSDP2 over all): NOT SUPPORTED YET.
+"""Pre-train Llama 3 on DNA with context parallelism: every packed window is split over ``cp_size`` ranks (ring
+attention in TransformerEngine), and FSDP2 shards the weights over all ranks. For windows too long for one GPU.
 
-    torchrun --nproc_per_node=2 train_cp.py --config-name L0_sanity_cp    # exits with the reason below
+    torchrun --nproc_per_node=8 train_cp.py --config-name L0_sanity_cp cp_size=2
+    torchrun --nproc_per_node=2 train_cp.py --config-name L0_sanity_cp model_config_overrides.backend=torch  # CPU
 
-The Llama model in models/llama3 has ``set_context_parallel_group`` (it hands the group to TransformerEngine's
-attention), but its forward cannot take context-parallel shards yet:
-
-- it checks that ``cu_seq_lens_q`` ends at the number of tokens it was given, while a CP rank holds only its
-  ``1 / cp_size`` load-balanced share of every sequence (chunks r and 2*cp-1-r) next to the global boundaries;
-- it shifts labels for next-token prediction inside each contiguous sequence, which is wrong on a shard whose
-  neighbouring tokens live on another rank (the collator would have to shift them before sharding);
-- rotary positions are computed for unsharded sequences;
-- its loss is the mean over the rank's own labels, not reduced over the CP group.
-
-This script stops with that explanation instead of training a model that silently learns the wrong thing. When
-the model advertises ``supports_context_parallel = True``, follow ``recipes/esm2_native_te/train_cp.py``: a (dp, cp)
-mesh from ``distributed.build_meshes(..., cp_size)``, the CP group handed to the model, CP-sharded THD batches.
-Until then use train_fsdp2.py (8,192-token windows of the 1B and 8B shapes fit one H100 with FSDP2).
+Reads top to bottom like train_fsdp2.py; what differs is the (dp, cp) mesh, the CP group handed to the model, and
+the batches: the loader builds full context-parallel THD batches (every window padded to a multiple of
+2 * cp_size, targets shifted before the split), and each rank keeps its own share of every window. The torch
+backend runs the same numbers on CPU processes (all-gathered attention), which is how CI tests this script.
 """
 
+import logging
+from pathlib import Path
+
 import hydra
+import torch
+import torch.distributed as dist
+from checkpoint import Checkpointer, export_final_model, gather_full_state_dict
+from collator import shard_for_context_parallel, token_weights
+from dataset import create_dataloader
+from distributed import build_meshes, cleanup_distributed, move_to_device, setup_distributed
+from model_setup import config_name, load_model_config, pad_token_id, recipe_path
 from modeling_llama_te import NVLlamaForCausalLM
 from omegaconf import DictConfig, OmegaConf
+from perf_logger import ModelFlops, PerfLogger, Profiler
+from scheduler import get_linear_schedule_with_warmup
+from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
+from transformers import AutoTokenizer
 
 
-UNSUPPORTED = (
-    "train_cp.py: context parallelism is not supported by the Llama model yet (models/llama3: its forward takes "
-    "whole sequences only; see this script's docstring). Train with train_fsdp2.py instead."
-)
-
-
-def check_context_parallel_support(cfg: DictConfig) -> None:
-    """Fail before any process group or GPU work when this run asks for something that cannot train correctly."""
-    if cfg.cp_size < 2:
-        raise ValueError(f"train_cp.py needs cp_size >= 2 (got {cfg.cp_size}); for cp_size=1 use train_fsdp2.py")
-    if not getattr(NVLlamaForCausalLM, "supports_context_parallel", False):
-        raise NotImplementedError(UNSUPPORTED)
+logger = logging.getLogger(__name__)
 
 
 @hydra.main(config_path="hydra_config", config_name="L0_sanity_cp", version_base="1.3")
 def main(cfg: DictConfig) -> None:
     OmegaConf.to_container(cfg, resolve=True, throw_on_missing=True)  # a missing `???` value fails here, by name
-    check_context_parallel_support(cfg)
-    raise NotImplementedError(UNSUPPORTED)  # unreachable until the model supports CP and this loop is written
+    if cfg.cp_size < 2:
+        raise ValueError(f"train_cp.py needs cp_size >= 2 (got {cfg.cp_size}); for cp_size=1 use train_fsdp2.py")
+    dist_config, device = setup_distributed(require_process_group=True)
+    if not dist_config.is_main_process():
+        logging.getLogger().setLevel(logging.WARNING)
+    logger.info("Config:\n%s", OmegaConf.to_yaml(cfg))
+    torch.manual_seed(cfg.seed)
+    meshes = build_meshes(dist_config, device, cp_size=cfg.cp_size)
+
+    tokenizer = AutoTokenizer.from_pretrained(recipe_path(cfg.tokenizer_path))
+    config, plan = load_model_config(cfg)
+    use_bf16 = cfg.mixed_precision.enabled and (device.type == "cuda" or cfg.mixed_precision.on_cpu)
+    with torch.device("meta" if cfg.fsdp.use_meta_device else device):
+        model = NVLlamaForCausalLM(config, fp8_recipe=plan.fp8_recipe, fp4_recipe=plan.fp4_recipe)
+    if use_bf16 and not cfg.mixed_precision.fp32_master_weights:
+        model.to(torch.bfloat16)
+    model_flops = ModelFlops.from_model(model, config.num_hidden_layers, config.hidden_size)
+    logger.info("Model: %s backend, %.1fM parameters", model.backend, sum(p.numel() for p in model.parameters()) / 1e6)
+
+    # Every attention layer exchanges K/V blocks with the other ranks of this rank's CP group.
+    cp_group = meshes.cp.get_group()
+    cp_stream = torch.cuda.Stream() if device.type == "cuda" else None
+    model.model.set_context_parallel_group(cp_group, dist.get_process_group_ranks(cp_group), cp_stream)
+
+    # FSDP2 over all ranks (dp x cp): CP ranks hold the same weights, so sharding over them too only saves memory.
+    mp_policy = MixedPrecisionPolicy()
+    if use_bf16 and cfg.mixed_precision.fp32_master_weights:
+        mp_policy = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
+    for layer in model.model.layers:
+        fully_shard(layer, mesh=meshes.fsdp, mp_policy=mp_policy, reshard_after_forward=cfg.fsdp.reshard_after_forward)
+    fully_shard(model, mesh=meshes.fsdp, mp_policy=mp_policy, reshard_after_forward=cfg.fsdp.reshard_after_forward)
+    if cfg.fsdp.use_meta_device:
+        model.init_empty_weights(device)
+    train_model = torch.compile(model) if cfg.use_torch_compile else model
+
+    optimizer = torch.optim.AdamW(model.parameters(), **cfg.adamw_kwargs, fused=device.type == "cuda")
+    scheduler = get_linear_schedule_with_warmup(optimizer, **cfg.lr_scheduler_kwargs)
+    # All CP ranks of a DP group read the same windows; each keeps its own share of every batch below.
+    dataloader = create_dataloader(
+        cfg.dataset,
+        tokenizer,
+        dp_rank=meshes.dp_rank,
+        dp_world_size=meshes.dp_size,
+        seed=cfg.seed,
+        cp_size=cfg.cp_size,
+    )
+    cp_rank = meshes.cp.get_local_rank()
+
+    checkpointer = Checkpointer(
+        cfg.checkpoint.ckpt_dir,
+        "fsdp2",
+        async_save=cfg.checkpoint.async_save,
+        max_checkpoints=cfg.checkpoint.max_checkpoints,
+    )
+    start_step = 0
+    if cfg.checkpoint.resume:
+        start_step = checkpointer.load_latest(model, optimizer, scheduler, dataloader)
+    with torch.random.fork_rng(devices=[]):  # making the iterator draws from the RNG; keep resumed runs identical
+        batches = iter(dataloader)
+
+    perf = PerfLogger(
+        cfg, model_flops, pad_token_id(tokenizer), start_step, cp_size=cfg.cp_size, config_name=config_name()
+    )
+    profiler = Profiler(cfg.profiler, cfg.output_dir)
+    train_model.train()
+    step = start_step
+    for step in range(start_step + 1, cfg.num_train_steps + 1):
+        with profiler.step_context(step):
+            step_loss = torch.zeros((), device=device)
+            # Weights come from the full batches, so every rank of a CP group uses the same ones.
+            micro_batches = [next(batches) for _ in range(cfg.grad_acc_steps)]
+            weights = token_weights(micro_batches)
+            for micro_step, full_batch in enumerate(micro_batches):
+                batch = move_to_device(shard_for_context_parallel(full_batch, cp_rank, cfg.cp_size), device)
+                perf.count_batch(batch)
+                model.set_requires_gradient_sync(micro_step == cfg.grad_acc_steps - 1)
+                # The model reduces the loss over the CP group: its value is the group's mean, its gradient scaled
+                # by cp_size so that FSDP's average over dp x cp ranks gives the average over dp of those means.
+                loss = train_model(**batch).loss * weights[micro_step]
+                loss.backward()
+                step_loss += loss.detach()
+
+            grad_norm = torch.nn.utils.clip_grad_norm_(model.parameters(), cfg.max_grad_norm)
+            lr = scheduler.get_last_lr()[0]
+            optimizer.step()
+            scheduler.step()
+            optimizer.zero_grad(set_to_none=True)
+
+        perf.log_step(step, step_loss, grad_norm, lr)
+        checkpointer.poll()
+        if cfg.checkpoint.save_every and step % cfg.checkpoint.save_every == 0:
+            checkpointer.save(step, model, optimizer, scheduler, dataloader)
+
+    if cfg.checkpoint.save_final and step > start_step:
+        checkpointer.save(step, model, optimizer, scheduler, dataloader)
+    perf.finish()
+
+    if cfg.export_final_model:
+        full_state_dict = gather_full_state_dict(model, "fsdp2")
+        export_final_model(model, full_state_dict, Path(cfg.output_dir) / "final_model", tokenizer)
+    checkpointer.close()
+    cleanup_distributed()
 
 
 if __name__ == "__main__":

@@ -10,6 +10,7 @@ from collator import (
     collate_thd,
     count_targets,
     pack_windows,
+    shard_for_context_parallel,
     token_weights,
     window_starts,
 )
@@ -107,3 +108,28 @@ def test_count_targets_by_hand(tokenizer):
     assert token_weights([bshd, thd]) == pytest.approx([3 / 7, 4 / 7])
     empty = collate_thd([ids(tokenizer, "N")], labels)
     assert token_weights([empty, empty]) == [0.5, 0.5]
+
+
+def test_context_parallel_batch_by_hand(tokenizer):
+    """Two pieces (5 and 3 tokens), cp_size 2: each padded to a multiple of 4, targets shifted inside each piece."""
+    labels = LabelMaker(tokenizer)
+    first = np.array([1, *ids(tokenizer, "ACnT")])  # <bos> A C n T (n: degenerate, never a target)
+    second = ids(tokenizer, "gta")  # the tail of a split window: no <bos>; lowercase predicted as uppercase
+    batch = collate_thd([first, second], labels, cp_size=2, pad_token_id=0)
+    A, C, G, T = (tokenizer.convert_tokens_to_ids(b) for b in "ACGT")
+    n, g, t, a = (tokenizer.convert_tokens_to_ids(b) for b in "ngta")
+    assert batch["input_ids"][0].tolist() == [1, A, C, n, T, 0, 0, 0, g, t, a, 0]
+    #                           next target of:  <bos> A  C     n  T(last) pad      g  t  a(last) pad
+    assert batch["shift_labels"][0].tolist() == [A, C, -100, T, -100, -100, -100, -100, T, A, -100, -100]
+    assert batch["cu_seq_lens_q_padded"].tolist() == [0, 8, 12] == batch["cu_seq_lens_q"].tolist()
+    assert batch["max_length_q"] == 8 and "labels" not in batch
+    assert count_targets(batch) == 5
+
+    # Rank 0 keeps chunks 0 and 3 of every piece (chunks of 2 and 1 tokens), rank 1 chunks 1 and 2.
+    shards = [shard_for_context_parallel(batch, rank, 2) for rank in (0, 1)]
+    assert shards[0]["input_ids"][0].tolist() == [1, A, 0, 0, g, 0]
+    assert shards[1]["input_ids"][0].tolist() == [C, n, T, 0, t, a]
+    assert shards[1]["shift_labels"][0].tolist() == [-100, T, -100, -100, A, -100]
+    assert shards[0]["cu_seq_lens_q_padded"].tolist() == [0, 8, 12]  # boundaries stay global
+    with pytest.raises(ValueError, match="not a context-parallel batch"):
+        shard_for_context_parallel(collate_thd([first], labels), 0, 2)

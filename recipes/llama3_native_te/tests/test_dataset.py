@@ -7,6 +7,7 @@ import numpy as np
 import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
+import torch
 from dataset import create_dataloader, read_sequences
 from model_setup import recipe_path
 from transformers import AutoTokenizer
@@ -85,6 +86,20 @@ def test_thd_batches_are_full_and_ranks_disjoint(tokenizer, tmp_path):
         assert int(batch["cu_seq_lens_q"][-1]) == 40
         firsts.append(batch["input_ids"])
     assert not np.array_equal(firsts[0], firsts[1])
+
+
+def test_context_parallel_batches_hold_the_same_tokens_padded(tokenizer, tmp_path):
+    """cp_size=2: the same pieces as without CP, each padded to a multiple of 4; BSHD input is refused."""
+    cfg = _cfg(tmp_path, token_budget=40)
+    plain = next(iter(create_dataloader(cfg, tokenizer, seed=3)))
+    cp = next(iter(create_dataloader(cfg, tokenizer, seed=3, cp_size=2)))
+    cu, cu_padded = plain["cu_seq_lens_q"], cp["cu_seq_lens_q_padded"]
+    assert ((cu_padded[1:] - cu_padded[:-1]) % 4 == 0).all()
+    for start, end, padded_start in zip(cu[:-1], cu[1:], cu_padded[:-1]):
+        piece = cp["input_ids"][0, padded_start : padded_start + end - start]
+        assert torch.equal(piece, plain["input_ids"][0, start:end])
+    with pytest.raises(ValueError, match="needs dataset.input_format=thd"):
+        create_dataloader({**cfg, "input_format": "bshd"}, tokenizer, cp_size=2)
 
 
 @pytest.mark.parametrize("input_format", ["thd", "bshd"])

@@ -50,3 +50,12 @@ def test_fp8_learns(tmp_path, recipe):
 @pytest.mark.requires_te
 def test_two_gpus_fsdp2_learns(tmp_path):
     assert_learned(train_on_gpu("train_fsdp2.py", tmp_path, "dataset.input_format=thd", nproc=2))
+
+
+@pytest.mark.requires_multi_gpu
+@pytest.mark.requires_te
+def test_context_parallel_two_gpus_learns_and_exports(tmp_path):
+    """TE ring attention (cp_size=2, THD) on 2 GPUs; the CPU twin of this test proves CP = one process numerically."""
+    metrics = train_on_gpu("train_cp.py", tmp_path, "model_config_overrides.backend=te", "cp_size=2", nproc=2)
+    assert_learned(metrics)
+    assert (tmp_path / "final_model" / "model.safetensors").is_file()
