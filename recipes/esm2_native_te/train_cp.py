@@ -3,8 +3,9 @@ TransformerEngine), and FSDP2 shards the weights over all GPUs. For sequences to
 
     torchrun --nproc_per_node=8 train_cp.py --config-name L0_sanity_cp cp_size=2
 
-Needs the TransformerEngine backend (CUDA) and THD input. Reads top to bottom like train_fsdp2.py; what differs is
-the (dp, cp) mesh, the CP group handed to the model, and CP-sharded batches.
+Needs THD input. On GPUs the TE backend runs ring attention; on CPU processes the torch backend all-gathers Q/K/V
+and gives the same numbers (how CI tests this script). Reads top to bottom like train_fsdp2.py; what differs is the
+(dp, cp) mesh, the CP group handed to the model, and CP-sharded batches.
 """
 
 import logging
@@ -56,7 +57,7 @@ def main(cfg: DictConfig) -> None:
     quant_stats.watch(model)
     model_flops = ModelFlops.from_model(model, config.num_hidden_layers, config.hidden_size)
 
-    # Every attention layer exchanges K/V blocks with the other ranks of this rank's CP group (TE backend only).
+    # Every attention layer exchanges K/V blocks with the other ranks of this rank's CP group.
     cp_group = meshes.cp.get_group() if meshes.cp is not None else None
     if cp_group is not None:
         cp_stream = torch.cuda.Stream() if device.type == "cuda" else None
