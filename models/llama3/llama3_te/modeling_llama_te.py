@@ -14,9 +14,10 @@ Inputs come as BSHD (``input_ids`` [batch, seq] + ``attention_mask``, left or ri
 packed tokens: BSHD input is unpadded on the way in and re-padded on the way out, and rotary positions restart
 at each sequence's first real token (what ``generate`` computes from the attention mask for left padding).
 
-Generation: on the torch backend ``generate`` keeps a Hugging Face ``DynamicCache`` of per-layer keys/values and
-decodes one token at a time (greedy, sampling, beam search). On the TE backend the cache is not used yet: every
-step recomputes the whole prefix (correct, slower); see ``NVLlamaForCausalLM.supports_kv_cache``.
+Generation: ``generate`` keeps a Hugging Face ``DynamicCache`` of per-layer keys/values and decodes one token at a
+time (greedy, sampling, beam search), on both backends: a cached step runs each layer's own sub-modules (TE's fused
+RMSNorm+QKV GEMM, output projection and RMSNorm+SwiGLU MLP, or their torch twins) around an attention over the
+cached keys (``NVLlamaModel.forward_cached``). Cached steps run in the weights' dtype (FP8 layers decode in bf16).
 
 This file is self-contained apart from ``torch_layers.py`` beside it, so it can be copied into a recipe and
 shipped inside an exported checkpoint (``trust_remote_code=True``).
@@ -35,9 +36,13 @@ from transformers.modeling_outputs import BaseModelOutputWithPast, CausalLMOutpu
 
 
 try:  # package import (models/llama3, exported checkpoints)
+    from .torch_layers import DotProductAttention as TorchDotProductAttention
     from .torch_layers import TransformerLayer as TorchTransformerLayer
+    from .torch_layers import apply_rotary_pos_emb
 except ImportError:  # flat copy inside a recipe folder
+    from torch_layers import DotProductAttention as TorchDotProductAttention
     from torch_layers import TransformerLayer as TorchTransformerLayer
+    from torch_layers import apply_rotary_pos_emb
 
 try:
     import transformer_engine.pytorch as te
@@ -449,17 +454,36 @@ class NVLlamaPreTrainedModel(PreTrainedModel):
             self.tie_weights()
 
 
-@dataclass
-class _CachedStep:
-    """What the torch twin layers need for one cached decoding step (see ``torch_layers.py``)."""
+def _module_output(out):
+    """Sub-modules of a ``te.TransformerLayer`` return (output, bias) pairs; their torch twins return the output."""
+    return out[0] if isinstance(out, tuple) else out
 
-    cache: Cache
-    positions: torch.Tensor  # [batch, new_tokens] rotary positions
 
-    def update(self, layer_number: int, key: torch.Tensor, value: torch.Tensor):
-        # Hugging Face caches hold [batch, heads, seq, head_dim]; the twin layers work in [batch, seq, heads, dim].
-        keys, values = self.cache.update(key.transpose(1, 2), value.transpose(1, 2), layer_number - 1)
-        return keys.transpose(1, 2), values.transpose(1, 2)
+def _split_fused_qkv(mixed: torch.Tensor, config: NVLlamaConfig):
+    """TE's interleaved fused-QKV output [..., groups * (heads/groups + 2) * head_dim] -> q, k, v [..., heads, dim]."""
+    groups, per_group = config.num_key_value_heads, config.num_attention_heads // config.num_key_value_heads
+    lead = mixed.shape[:-1]
+    q, k, v = mixed.view(*lead, groups, per_group + 2, config.head_dim).split([per_group, 1, 1], dim=-2)
+    return (x.reshape(*lead, -1, config.head_dim) for x in (q, k, v))
+
+
+def _cached_layer_step(
+    layer, layer_index: int, config: NVLlamaConfig, hidden, rotary, positions, cache: Cache, attend
+) -> torch.Tensor:
+    """One pre-norm decoder block on BSHD ``hidden`` [batch, new, hidden] with a key/value cache.
+
+    Runs the layer's own sub-modules (TE's or the torch twins', same names and weights) and ``attend`` (causal
+    attention over all cached keys) in place of the layer's fused attention, which has no Hugging Face cache.
+    """
+    attention = layer.self_attention
+    q, k, v = _split_fused_qkv(_module_output(attention.layernorm_qkv(hidden)), config)
+    q = apply_rotary_pos_emb(q, rotary, "bshd", positions=positions)
+    k = apply_rotary_pos_emb(k, rotary, "bshd", positions=positions)
+    # Hugging Face caches hold [batch, heads, seq, head_dim]; the layers work in [batch, seq, heads, head_dim].
+    keys, values = cache.update(k.transpose(1, 2), v.transpose(1, 2), layer_index)
+    context = attend(q, keys.transpose(1, 2), values.transpose(1, 2))
+    hidden = hidden + _module_output(attention.proj(context))
+    return hidden + _module_output(layer.layernorm_mlp(hidden))
 
 
 class NVLlamaModel(NVLlamaPreTrainedModel):
@@ -565,15 +589,10 @@ class NVLlamaModel(NVLlamaPreTrainedModel):
         position_ids: torch.Tensor | None,
         past_key_values: Cache,
     ) -> torch.Tensor:
-        """One decoding step on BSHD input with a key/value cache (torch backend): returns [batch, new, hidden].
+        """One decoding step on BSHD input with a key/value cache (either backend): returns [batch, new, hidden].
 
         ``attention_mask`` covers cached and new tokens ([batch, past + new]), as ``generate`` passes it.
         """
-        if self.backend != "torch":
-            raise NotImplementedError(
-                "KV-cache decoding is implemented for the torch backend only; on the TE backend generate() "
-                "recomputes the prefix at every step (use_cache=False)"
-            )
         if input_ids.dim() != 2:
             raise ValueError(f"cached decoding takes BSHD input_ids [batch, seq], got {tuple(input_ids.shape)}")
         batch, new = input_ids.shape
@@ -588,12 +607,25 @@ class NVLlamaModel(NVLlamaPreTrainedModel):
         if position_ids is None:
             position_ids = (attention_mask.long().cumsum(-1) - 1).clamp(min=0)[:, -new:]
         position_ids = position_ids.expand(batch, new)
-        step = _CachedStep(past_key_values, position_ids)
         rotary = self.rotary_emb(int(position_ids.max()) + 1)
         ignore_key = ~attention_mask.bool()[:, None, None, :]  # TE convention: True where a key is masked
+        # Causal attention of the new queries over all cached keys (aligned to the last key), GQA, padding masked;
+        # the twin's SDPA-based attention has no weights, so it serves both backends.
+        core = TorchDotProductAttention(
+            self.config.num_attention_heads,
+            self.config.head_dim,
+            num_gqa_groups=self.config.num_key_value_heads,
+            attn_mask_type="padding_causal",
+        )
+
+        def attend(q, k, v):
+            return core(q, k, v, attention_mask=ignore_key, qkv_format="bshd")
+
         hidden = self.embed_tokens(input_ids)
-        for layer in self.layers:
-            hidden = layer(hidden, attention_mask=ignore_key, rotary_pos_emb=rotary, inference_params=step)
+        for index, layer in enumerate(self.layers):
+            hidden = _cached_layer_step(
+                layer, index, self.config, hidden, rotary, position_ids, past_key_values, attend
+            )
         return self.norm(hidden)
 
     def forward(
@@ -667,11 +699,6 @@ class NVLlamaForCausalLM(NVLlamaPreTrainedModel, GenerationMixin):
     def backend(self) -> str:
         return self.model.backend
 
-    @property
-    def supports_kv_cache(self) -> bool:
-        """Whether ``generate`` decodes with a key/value cache (torch backend) or recomputes the prefix (TE)."""
-        return self.backend == "torch"
-
     def get_output_embeddings(self) -> nn.Linear:
         return self.lm_head
 
@@ -681,14 +708,6 @@ class NVLlamaForCausalLM(NVLlamaPreTrainedModel, GenerationMixin):
     def _logits(self, hidden: torch.Tensor) -> torch.Tensor:
         # The GEMM runs over the padded vocabulary; the padding columns are cut before anyone sees them.
         return self.lm_head(hidden)[..., : self.config.vocab_size]
-
-    def prepare_inputs_for_generation(self, input_ids, next_sequence_length=None, past_key_values=None, **kwargs):
-        if not self.supports_kv_cache:  # recompute the whole prefix every step, without a cache
-            kwargs["use_cache"] = False
-            inputs = super().prepare_inputs_for_generation(input_ids, None, None, **kwargs)
-            inputs["use_cache"] = False
-            return inputs
-        return super().prepare_inputs_for_generation(input_ids, next_sequence_length, past_key_values, **kwargs)
 
     def forward(
         self,

@@ -12,19 +12,13 @@ the other and the same modeling code runs on a laptop CPU or on a GPU with TE. D
 
 Attention accepts TE's ``bshd`` layout (``[batch, seq, hidden]`` plus a padding mask) and ``thd`` layout
 (``[tokens, hidden]`` plus ``cu_seqlens``), with the same masking: no token attends across a sequence boundary
-or to padding.
+or to padding. With more keys than queries (decoding against a cache), the causal mask aligns to the last key.
 
 Context parallelism (``set_context_parallel_group``, ``thd`` only), with TE's data layout: each rank holds chunks
 ``r`` and ``2 * cp_size - 1 - r`` of every sequence padded to a multiple of ``2 * cp_size``, ``cu_seqlens_*_padded``
 are the global padded boundaries and rotary positions are the tokens' global positions. Where TE passes K/V blocks
 around a ring, this twin all-gathers Q/K/V, attends over the whole batch and keeps its own rows: the same numbers at
 ``cp_size`` times the attention cost, which is fine for what it is for (CPU tests of context-parallel training).
-
-Decoding with a KV cache (torch backend only; TE has its own ``InferenceParams``): pass ``inference_params``, any
-object with ``positions`` (rotary position of each new token, [batch, new_tokens]) and
-``update(layer_number, key, value) -> (all_keys, all_values)`` (BSHD in and out). The layer input is then
-BSHD whatever ``attn_input_format`` says, ``attention_mask`` is the key padding mask over all cached tokens
-([batch, 1, 1, all_tokens], True where a key must be ignored), and causal masks align to the last key.
 """
 
 import math
@@ -545,17 +539,10 @@ class MultiheadAttention(nn.Module):
         rotary_pos_emb: torch.Tensor | None = None,
         cu_seqlens_q: torch.Tensor | None = None,
         max_seqlen_q: int | None = None,
-        inference_params=None,
         cu_seqlens_q_padded: torch.Tensor | None = None,
         **_,
     ) -> torch.Tensor:
         q, k, v = self._split_qkv(self.layernorm_qkv(hidden_states))
-        if inference_params is not None:  # cached decoding, BSHD (see the module docstring)
-            if rotary_pos_emb is not None:
-                q = apply_rotary_pos_emb(q, rotary_pos_emb, "bshd", positions=inference_params.positions)
-                k = apply_rotary_pos_emb(k, rotary_pos_emb, "bshd", positions=inference_params.positions)
-            k, v = inference_params.update(self.layer_number, k, v)
-            return self.proj(self.core_attention(q, k, v, attention_mask=attention_mask, qkv_format="bshd"))
         cp_group = self.core_attention.cp_group
         if rotary_pos_emb is not None:
             if cp_group is not None:  # this rank's tokens sit at global positions of the padded sequences
@@ -651,7 +638,6 @@ class TransformerLayer(nn.Module):
         cu_seqlens_kv: torch.Tensor | None = None,
         max_seqlen_q: int | None = None,
         max_seqlen_kv: int | None = None,
-        inference_params=None,
         cu_seqlens_q_padded: torch.Tensor | None = None,
         cu_seqlens_kv_padded: torch.Tensor | None = None,
         **_,
@@ -662,7 +648,6 @@ class TransformerLayer(nn.Module):
             rotary_pos_emb=rotary_pos_emb,
             cu_seqlens_q=cu_seqlens_q,
             max_seqlen_q=max_seqlen_q,
-            inference_params=inference_params,
             cu_seqlens_q_padded=cu_seqlens_q_padded,
         )
         hidden_states = hidden_states + F.dropout(attention_out, self.hidden_dropout, self.training)

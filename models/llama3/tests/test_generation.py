@@ -84,18 +84,6 @@ def test_beam_search_equals_hugging_face(hf_tiny, nv_tiny, use_cache):
     assert torch.equal(actual, expected)
 
 
-def test_without_kv_cache_support_generate_recomputes_the_prefix(hf_tiny, nv_tiny, monkeypatch):
-    """The TE backend's generation path (no cache: the whole prefix every step), exercised on the torch backend."""
-    monkeypatch.setattr(NVLlamaForCausalLM, "supports_kv_cache", property(lambda self: False))
-    prompts = _prompts()
-    expected = _generate(hf_tiny, prompts, do_sample=False)
-    recorder = _InputLengths(nv_tiny)
-    assert torch.equal(_generate(nv_tiny, prompts, do_sample=False), expected)
-    assert recorder.lengths == list(range(9, 9 + NEW_TOKENS))
-    beams = {"num_beams": 3, "do_sample": False}
-    assert torch.equal(_generate(nv_tiny, prompts, **beams), _generate(hf_tiny, prompts, **beams))
-
-
 def test_cached_forward_matches_the_full_forward(hf_tiny, nv_tiny):
     """Prefill + one-token steps through the cache give the logits of one full forward, token for token."""
     input_ids, attention_mask, _ = make_batch([14, 8], seed=5, padding_side="left")

@@ -17,6 +17,7 @@ from llama_testing import (
     shape_of,
 )
 from transformers import AutoModelForCausalLM, LlamaForCausalLM
+from transformers.cache_utils import DynamicCache
 
 from llama3_te.convert import convert_llama_hf_to_te
 from llama3_te.export import export_hf_checkpoint
@@ -151,24 +152,46 @@ def _assert_greedy_choices_agree(te_tokens, torch_model, prompt_length, attentio
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
-def test_te_generation_equals_torch_backend_greedy(dtype, monkeypatch):
-    """TE generates without a KV cache (it recomputes the prefix); the torch backend with one. Greedy output must
-    agree: token for token in float32, and choice by choice up to rounding-level near ties in bf16."""
+def test_te_kv_cache_generation_equals_torch_backend_greedy(dtype, monkeypatch):
+    """Cached decoding with TE's sub-modules (fused RMSNorm+QKV GEMM, projection, MLP) against the torch backend's,
+    and against TE recomputing the whole prefix (use_cache=False): token for token in float32, choice by choice up
+    to rounding-level near ties in bf16."""
     monkeypatch.setattr(torch.backends.cuda.matmul, "allow_tf32", False)  # float32 means float32 here
     torch_model, te_model = _torch_and_te_models(dtype=dtype)
-    assert torch_model.supports_kv_cache and not te_model.supports_kv_cache
     input_ids, attention_mask, _ = make_batch([40, 17, 29], seed=7, padding_side="left")
     prompts = {"input_ids": input_ids.cuda(), "attention_mask": attention_mask.cuda()}
     kwargs = {"max_new_tokens": 24, "do_sample": False, "pad_token_id": PAD, "eos_token_id": None}
     with torch.no_grad():
-        te_out = te_model.generate(**prompts, **kwargs)
+        te_cached = te_model.generate(**prompts, **kwargs)
+        te_recomputed = te_model.generate(**prompts, **kwargs, use_cache=False)
         torch_out = torch_model.generate(**prompts, **kwargs)
-    assert te_out.shape == torch_out.shape == (3, 40 + 24)
+    assert te_cached.shape == te_recomputed.shape == torch_out.shape == (3, 40 + 24)
     if dtype == torch.float32:
-        assert torch.equal(te_out, torch_out)
-    _assert_greedy_choices_agree(te_out, torch_model, 40, prompts["attention_mask"], margin=0.05)
+        assert torch.equal(te_cached, torch_out)
+        assert torch.equal(te_cached, te_recomputed)
+    _assert_greedy_choices_agree(te_cached, torch_model, 40, prompts["attention_mask"], margin=0.05)
     beams = te_model.generate(**prompts, **kwargs, num_beams=3)
     assert beams.shape == (3, 40 + 24)
+
+
+def test_te_cached_forward_matches_the_full_forward():
+    """Prefill + one-token steps through the cache on TE give the logits of one full TE forward."""
+    _, te_model = _torch_and_te_models(dtype=torch.float32)
+    input_ids, attention_mask, _ = make_batch([30, 21], seed=3, padding_side="left")
+    input_ids, attention_mask = input_ids.cuda(), attention_mask.cuda()
+    with torch.no_grad():
+        full = te_model(input_ids, attention_mask=attention_mask).logits
+        cache = DynamicCache(config=te_model.config)
+        steps = [te_model(input_ids[:, :25], attention_mask=attention_mask[:, :25], past_key_values=cache).logits]
+        for t in range(25, 30):
+            steps.append(
+                te_model(
+                    input_ids[:, t : t + 1], attention_mask=attention_mask[:, : t + 1], past_key_values=cache
+                ).logits
+            )
+    cached = torch.cat(steps, dim=1)
+    real = attention_mask.bool()
+    assert _relative_error(cached[real], full[real]) < 1e-3
 
 
 def test_export_loads_on_gpu_with_te(tmp_path):
