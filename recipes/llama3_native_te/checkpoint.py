@@ -46,6 +46,8 @@ logger = logging.getLogger(__name__)
 
 Strategy = Literal["ddp", "fsdp2", "mfsdp"]
 COMPLETE_MARKER = "COMPLETE"
+# Files every modeling file imports from beside it; an export ships them with it.
+MODELING_SUPPORT_FILES = ("torch_layers.py", "packing.py")
 _STEP_DIR = re.compile(r"^step_(\d+)$")
 
 
@@ -377,11 +379,12 @@ def export_final_model(
     staging = Path(tempfile.mkdtemp(prefix=f".{output_dir.name}.", dir=output_dir.parent))
     weights = {k: v for k, v in full_state_dict.items() if not k.endswith("_extra_state")}
     # Loadable anywhere through the modeling code copied in: no FP8/FP4 layers, the loading machine picks the backend.
-    # The modeling file is the one that defines the model's class (with its AUTO_MAP), plus torch_layers.py beside it.
-    # FSDP2 swaps in a subclass of its own, so look through the class hierarchy.
+    # The modeling file is the one that defines the model's class (with its AUTO_MAP), plus the files it imports from
+    # beside it. FSDP2 swaps in a subclass of its own, so look through the class hierarchy.
     model_class = next(c for c in type(model).__mro__ if hasattr(sys.modules[c.__module__], "AUTO_MAP"))
     modeling_module = sys.modules[model_class.__module__]
-    modeling_files = [Path(modeling_module.__file__), Path(modeling_module.__file__).with_name("torch_layers.py")]
+    modeling_file = Path(modeling_module.__file__)
+    modeling_files = [modeling_file] + [modeling_file.with_name(name) for name in MODELING_SUPPORT_FILES]
     exported = {"auto_map": dict(modeling_module.AUTO_MAP), "architectures": [model_class.__name__]}
     exported["layer_precision"] = None
     exported["backend"] = "auto"

@@ -14,13 +14,12 @@ with ``cu_seq_lens_q/k`` and ``max_length_q/k``, Hugging Face's names for flash-
 encoder always runs on packed tokens: BSHD input is unpadded on the way in and re-padded on the way out, so no
 compute is spent on padding and no token attends across a sequence boundary.
 
-This file is self-contained apart from ``torch_layers.py`` beside it, so it can be copied into a recipe and
-shipped inside an exported checkpoint (``trust_remote_code=True``).
+This file is self-contained apart from ``torch_layers.py`` and ``packing.py`` beside it, so the three can be copied
+into a recipe and shipped inside an exported checkpoint (``trust_remote_code=True``).
 """
 
 import contextlib
 import math
-from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
@@ -30,8 +29,10 @@ from transformers.modeling_outputs import BaseModelOutput, MaskedLMOutput, Token
 
 
 try:  # package import (models/esm2, exported checkpoints)
+    from .packing import PackedBatch, pack_inputs, token_mean_loss
     from .torch_layers import TransformerLayer as TorchTransformerLayer
 except ImportError:  # flat copy inside a recipe folder
+    from packing import PackedBatch, pack_inputs, token_mean_loss
     from torch_layers import TransformerLayer as TorchTransformerLayer
 
 try:
@@ -127,159 +128,6 @@ def resolve_backend(requested: str) -> str:
     if requested == "auto":
         return "te" if te_usable else "torch"
     return requested
-
-
-@dataclass
-class PackedBatch:
-    """Tokens of a batch laid end to end, with what is needed to undo the packing."""
-
-    input_ids: torch.Tensor  # [tokens]
-    cu_seqlens: torch.Tensor  # [sequences + 1], int32
-    max_seqlen: int
-    padded_shape: tuple[int, int] | None = None  # (batch, seq) when the input was BSHD
-    token_index: torch.Tensor | None = None  # flat positions of real tokens in the BSHD input
-    num_real_tokens: int | None = None  # tokens before alignment padding was appended
-    # Context parallelism: the full batch's padded boundaries ([0, ...] in global token counts); the local tokens
-    # are this rank's share (1 / cp_size of every padded sequence).
-    cu_seqlens_padded: torch.Tensor | None = None
-    cp_group: object | None = None
-
-    def local_segment_lengths(self) -> torch.Tensor:
-        """Tokens of each sequence held here (all of it, or this rank's share under context parallelism)."""
-        if self.cu_seqlens_padded is None:
-            return self.cu_seqlens[1:] - self.cu_seqlens[:-1]
-        cp_size = torch.distributed.get_world_size(self.cp_group)
-        return (self.cu_seqlens_padded[1:] - self.cu_seqlens_padded[:-1]) // cp_size
-
-    def unpack(self, packed: torch.Tensor) -> torch.Tensor:
-        """[tokens, ...] -> the caller's layout: [batch, seq, ...] for BSHD (zeros at padding), [1, tokens, ...] for THD."""
-        if self.num_real_tokens is not None:
-            packed = packed[: self.num_real_tokens]
-        if self.padded_shape is None:
-            return packed.unsqueeze(0)
-        batch, seq = self.padded_shape
-        out = packed.new_zeros(batch * seq, *packed.shape[1:])
-        out[self.token_index] = packed
-        return out.view(batch, seq, *packed.shape[1:])
-
-    def pack_like(self, values: torch.Tensor) -> torch.Tensor:
-        """Apply the same packing to a per-token tensor given in the caller's layout (e.g. labels)."""
-        if self.padded_shape is None:
-            flat = values.reshape(-1)
-        else:
-            flat = values.reshape(-1)[self.token_index]
-        extra = self.input_ids.shape[0] - flat.shape[0]
-        return F.pad(flat, (0, extra), value=-100) if extra else flat
-
-
-def _check(condition: torch.Tensor | bool, message: str) -> None:
-    """Raise on CPU; on CUDA use an asynchronous device assert so validation costs no host-device sync."""
-    if isinstance(condition, torch.Tensor):
-        if condition.device.type == "cuda":
-            torch._assert_async(condition, message)
-            return
-        condition = bool(condition)
-    if not condition:
-        raise ValueError(message)
-
-
-def pack_inputs(
-    input_ids: torch.Tensor,
-    attention_mask: torch.Tensor | None,
-    cu_seq_lens_q: torch.Tensor | None,
-    cu_seq_lens_k: torch.Tensor | None,
-    max_length_q: int | None,
-    pad_token_id: int,
-    align_to: int = 1,
-    cu_seq_lens_q_padded: torch.Tensor | None = None,
-    cp_group=None,
-) -> PackedBatch:
-    """Validate BSHD or THD inputs and return them packed (see ``PackedBatch``)."""
-    if cp_group is not None:
-        return _pack_context_parallel(
-            input_ids, attention_mask, cu_seq_lens_q, cu_seq_lens_q_padded, max_length_q, cp_group
-        )
-    if cu_seq_lens_q_padded is not None:
-        raise ValueError("cu_seq_lens_q_padded is for context parallelism: call set_context_parallel_group() first")
-    if cu_seq_lens_q is None:
-        if cu_seq_lens_k is not None:
-            raise ValueError("cu_seq_lens_k was given without cu_seq_lens_q")
-        if input_ids.dim() != 2:
-            raise ValueError(f"BSHD input_ids must be [batch, seq], got shape {tuple(input_ids.shape)}")
-        if attention_mask is None:
-            attention_mask = torch.ones_like(input_ids)
-        if attention_mask.shape != input_ids.shape:
-            raise ValueError(f"attention_mask {tuple(attention_mask.shape)} != input_ids {tuple(input_ids.shape)}")
-        keep = attention_mask.reshape(-1).bool()
-        token_index = keep.nonzero().squeeze(-1)
-        lengths = attention_mask.sum(dim=1, dtype=torch.int32)
-        cu_seqlens = F.pad(lengths.cumsum(0, dtype=torch.int32), (1, 0))
-        packed = PackedBatch(
-            input_ids.reshape(-1)[token_index], cu_seqlens, input_ids.shape[1], tuple(input_ids.shape), token_index
-        )
-    else:
-        if attention_mask is not None:
-            raise ValueError("THD input (cu_seq_lens_q) takes no attention_mask: sequence boundaries mark the padding")
-        if input_ids.dim() == 2 and input_ids.shape[0] != 1:
-            raise ValueError(f"THD input_ids must be [1, tokens] or [tokens], got shape {tuple(input_ids.shape)}")
-        tokens = input_ids.reshape(-1)
-        if cu_seq_lens_q.dim() != 1 or cu_seq_lens_q.numel() < 2 or cu_seq_lens_q.is_floating_point():
-            raise ValueError(f"cu_seq_lens_q must be a 1-D integer tensor [sequences + 1], got {cu_seq_lens_q!r}")
-        if cu_seq_lens_k is not None:
-            if cu_seq_lens_k.shape != cu_seq_lens_q.shape:
-                raise ValueError("self-attention needs cu_seq_lens_k == cu_seq_lens_q")
-            _check((cu_seq_lens_k == cu_seq_lens_q).all(), "self-attention needs cu_seq_lens_k == cu_seq_lens_q")
-        _check(cu_seq_lens_q[0] == 0, "cu_seq_lens_q must start at 0")
-        _check(
-            cu_seq_lens_q[-1] == tokens.numel(),
-            f"cu_seq_lens_q must end at the number of tokens ({tokens.numel()}); "
-            + (f"it ends at {int(cu_seq_lens_q[-1])}" if cu_seq_lens_q.device.type == "cpu" else "it does not"),
-        )
-        _check((cu_seq_lens_q[1:] >= cu_seq_lens_q[:-1]).all(), "cu_seq_lens_q must be non-decreasing")
-        cu_seqlens = cu_seq_lens_q.to(torch.int32)
-        if max_length_q is None:  # costs a host-device sync; collators pass it
-            max_length_q = int((cu_seqlens[1:] - cu_seqlens[:-1]).max())
-        packed = PackedBatch(tokens, cu_seqlens, int(max_length_q))
-
-    remainder = packed.input_ids.numel() % align_to
-    if remainder:  # FP8 GEMMs need token counts divisible by 16: append one padding pseudo-sequence
-        extra = align_to - remainder
-        packed.num_real_tokens = packed.input_ids.numel()
-        packed.input_ids = F.pad(packed.input_ids, (0, extra), value=pad_token_id)
-        packed.cu_seqlens = torch.cat([packed.cu_seqlens, packed.cu_seqlens[-1:] + extra])
-        packed.max_seqlen = max(packed.max_seqlen, extra)
-    return packed
-
-
-def _pack_context_parallel(input_ids, attention_mask, cu_seq_lens_q, cu_seq_lens_q_padded, max_length_q, cp_group):
-    """THD input already split for context parallelism: local tokens, global real and padded boundaries.
-
-    Pass the padded boundaries as both: TE's ring attention leaves the output rows of padding it is told to skip
-    (real < padded) unwritten, and the garbage there turns weight gradients into NaN during training.
-    """
-    if cu_seq_lens_q is None or cu_seq_lens_q_padded is None or attention_mask is not None:
-        raise ValueError(
-            "context parallelism takes THD input: input_ids [1, local tokens], cu_seq_lens_q and "
-            "cu_seq_lens_q_padded (lengths padded to a multiple of 2 * cp_size), no attention_mask"
-        )
-    tokens = input_ids.reshape(-1)
-    cp_size = torch.distributed.get_world_size(cp_group)
-    _check(
-        cu_seq_lens_q_padded[-1] == tokens.numel() * cp_size,
-        f"cu_seq_lens_q_padded must end at local tokens x cp_size ({tokens.numel()} x {cp_size})",
-    )
-    _check(
-        (cu_seq_lens_q_padded % (2 * cp_size) == 0).all(), "padded sequence lengths must be multiples of 2 * cp_size"
-    )
-    if max_length_q is None:
-        max_length_q = int((cu_seq_lens_q_padded[1:] - cu_seq_lens_q_padded[:-1]).max())
-    return PackedBatch(
-        tokens,
-        cu_seq_lens_q.to(torch.int32),
-        int(max_length_q),
-        cu_seqlens_padded=cu_seq_lens_q_padded.to(torch.int32),
-        cp_group=cp_group,
-    )
 
 
 class NVEsmRotaryEmbedding(nn.Module):
@@ -498,22 +346,7 @@ class NVEsmModel(NVEsmPreTrainedModel):
             if output_hidden_states:
                 all_hidden.append(hidden)
             with self._precision_context(index):
-                hidden = layer(
-                    hidden,
-                    rotary_pos_emb=rotary,
-                    cu_seqlens_q=packed.cu_seqlens,
-                    cu_seqlens_kv=packed.cu_seqlens,
-                    max_seqlen_q=packed.max_seqlen,
-                    max_seqlen_kv=packed.max_seqlen,
-                    **(
-                        {}
-                        if packed.cu_seqlens_padded is None
-                        else {
-                            "cu_seqlens_q_padded": packed.cu_seqlens_padded,
-                            "cu_seqlens_kv_padded": packed.cu_seqlens_padded,
-                        }
-                    ),
-                )
+                hidden = layer(hidden, rotary_pos_emb=rotary, **packed.layer_boundaries())
         hidden = self.encoder.emb_layer_norm_after(hidden)
         if output_hidden_states:
             all_hidden.append(hidden)
@@ -579,24 +412,6 @@ class NVEsmLMHead(nn.Module):
         return (self.decoder(x) + self.bias)[..., : self.vocab_size]
 
 
-def _token_loss(logits: torch.Tensor, labels: torch.Tensor, cp_group=None) -> torch.Tensor:
-    """Mean cross-entropy over labelled tokens; 0 (not NaN) for a batch without any.
-
-    Under context parallelism each rank holds part of the labels. The value returned is the mean over the whole
-    CP group; the gradient is scaled so that the data-parallel gradient average over (dp x cp) ranks equals the
-    average over dp of each group's mean.
-    """
-    loss_sum = F.cross_entropy(logits.float(), labels, ignore_index=-100, reduction="sum")
-    count = (labels != -100).sum()
-    if cp_group is None:
-        return loss_sum / count.clamp(min=1)
-    totals = torch.stack([loss_sum.detach(), count.to(loss_sum.dtype)])
-    torch.distributed.all_reduce(totals, group=cp_group)
-    cp_size = torch.distributed.get_world_size(cp_group)
-    local = loss_sum * cp_size / totals[1].clamp(min=1)
-    return local - local.detach() + totals[0] / totals[1].clamp(min=1)
-
-
 class _NVEsmPerTokenModel(NVEsmPreTrainedModel):
     """The forward shared by heads that predict one output per token: pack, encode, head, loss, unpack."""
 
@@ -625,7 +440,7 @@ class _NVEsmPerTokenModel(NVEsmPreTrainedModel):
         )
         hidden, all_hidden = self.esm.forward_packed(packed, bool(output_hidden_states))
         logits = self.head(hidden)
-        loss = None if labels is None else _token_loss(logits, packed.pack_like(labels), packed.cp_group)
+        loss = None if labels is None else token_mean_loss(logits, packed.pack_like(labels), packed.cp_group)
         return self.output_class(
             loss=loss,
             logits=packed.unpack(logits),
