@@ -8,7 +8,8 @@
 The recipe's perf logger does the measuring (see docs/benchmarks.md for the definitions and the MFU formula):
 median unpadded tokens/s/GPU and MFU over the logged windows after warm-up, step time, peak memory. This script
 launches the run with checkpointing and export off, reads the run's ``summary.json`` and the resolved Hydra
-config, and prints the result as JSON and as a row of the docs/benchmarks.md table (``--markdown`` appends it).
+config, and prints the result as JSON and as a row of the docs/benchmarks.md table (``--markdown`` appends it and
+redraws the chart beside it, docs/benchmarks.svg).
 It must run on the machine being measured; it never asserts on a number.
 """
 
@@ -21,6 +22,7 @@ import tempfile
 from pathlib import Path
 
 import numpy as np
+from plot_benchmarks import read_results, render_svg
 
 
 REPO_ROOT = Path(__file__).resolve().parents[1]
@@ -188,6 +190,8 @@ def main(argv: list[str] | None = None) -> None:
     if args.markdown:
         with args.markdown.open("a") as handle:
             handle.write(row + "\n")
+        chart = args.markdown.with_suffix(".svg")
+        chart.write_text(render_svg(read_results(args.markdown.read_text())))  # the chart follows the table
 
 
 if __name__ == "__main__":
