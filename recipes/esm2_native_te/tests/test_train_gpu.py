@@ -60,6 +60,19 @@ def test_fp8_layers_learn(tmp_path, recipe):
 
 
 @pytest.mark.requires_fp8
+def test_fp8_with_bshd_input_learns(tmp_path):
+    """Padded BSHD batches under FP8: the model unpads them and pads the token count to a multiple of 16 itself."""
+    overrides = [
+        "dataset.input_format=bshd",
+        "fp8_config.enabled=true",
+        "fp8_config.fp8_recipe=Float8CurrentScaling",
+        "fp8_config.fp8_layers=[2,3,4,5]",
+    ]
+    assert_learned(train_on_gpu("train_ddp.py", tmp_path, *overrides), threshold=2.9, last_steps=40)
+    assert_export_reproduces_checkpoint(tmp_path, step=100)
+
+
+@pytest.mark.requires_fp8
 @pytest.mark.skipif(importlib.util.find_spec("nvdlfw_inspect") is None, reason="nvidia-dlframework-inspect missing")
 def test_fp8_tensor_statistics_are_logged(tmp_path):
     overrides = [
