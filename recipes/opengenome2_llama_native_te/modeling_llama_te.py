@@ -1,0 +1,575 @@
+# Copied from models/llama3/llama3_te/modeling_llama_te.py — edit the source, then run ci/check_copies.py --fix
+"""Llama 3 with TransformerEngine layers, Hugging Face compatible, that also runs without TE.
+
+The architecture is Hugging Face's ``LlamaForCausalLM`` (pre-RMSNorm decoder, rotary embeddings with optional
+Llama 3 frequency scaling, SwiGLU MLP, grouped-query attention, final RMSNorm, tied or untied LM head). Two
+backends build it with the same parameter names and state-dict keys:
+
+* ``te``: ``transformer_engine.pytorch.TransformerLayer`` (fused QKV, fused attention, FP8/FP4 recipes);
+* ``torch``: the pure-PyTorch twins in ``torch_layers.py``, used on CPUs and wherever TE is missing.
+
+``config.backend`` chooses: ``auto`` (TE when it imports and CUDA is available), ``te`` or ``torch``.
+
+Inputs come as BSHD (``input_ids`` [batch, seq] + ``attention_mask``, left or right padding) or THD (packed
+``input_ids`` [1, tokens] with ``cu_seq_lens_q/k`` and ``max_length_q/k``). Training and scoring always run on
+packed tokens: BSHD input is unpadded on the way in and re-padded on the way out, and rotary positions restart
+at each sequence's first real token (what ``generate`` computes from the attention mask for left padding).
+
+Generation: ``generate`` keeps a Hugging Face ``DynamicCache`` of per-layer keys/values and decodes one token at a
+time (greedy, sampling, beam search), on both backends: a cached step runs each layer's own sub-modules (TE's fused
+RMSNorm+QKV GEMM, output projection and RMSNorm+SwiGLU MLP, or their torch twins) around an attention over the
+cached keys (``NVLlamaModel.forward_cached``). Cached steps run in the weights' dtype (FP8 layers decode in bf16).
+
+This file is self-contained apart from ``torch_layers.py`` and ``packing.py`` beside it, so the three can be copied
+into a recipe and shipped inside an exported checkpoint (``trust_remote_code=True``).
+"""
+
+import contextlib
+import math
+
+import torch
+from torch import nn
+from transformers import GenerationMixin, LlamaConfig, PreTrainedModel
+from transformers.cache_utils import Cache, DynamicCache
+from transformers.modeling_outputs import BaseModelOutputWithPast, CausalLMOutputWithPast
+
+
+try:  # package import (models/llama3, exported checkpoints)
+    from .packing import PackedBatch, pack_inputs, token_mean_loss
+    from .torch_layers import DotProductAttention as TorchDotProductAttention
+    from .torch_layers import TransformerLayer as TorchTransformerLayer
+    from .torch_layers import apply_rotary_pos_emb
+except ImportError:  # flat copy inside a recipe folder
+    from packing import PackedBatch, pack_inputs, token_mean_loss
+    from torch_layers import DotProductAttention as TorchDotProductAttention
+    from torch_layers import TransformerLayer as TorchTransformerLayer
+    from torch_layers import apply_rotary_pos_emb
+
+try:
+    import transformer_engine.pytorch as te
+
+    _TE_IMPORT_ERROR = None
+except Exception as error:  # ImportError, or a broken CUDA install raising at import
+    te = None
+    _TE_IMPORT_ERROR = error
+
+
+AUTO_MAP = {
+    "AutoConfig": "modeling_llama_te.NVLlamaConfig",
+    "AutoModel": "modeling_llama_te.NVLlamaModel",
+    "AutoModelForCausalLM": "modeling_llama_te.NVLlamaForCausalLM",
+}
+
+BACKENDS = ("auto", "te", "torch")
+LAYER_PRECISIONS = (None, "fp8", "fp4")
+ROPE_TYPES = ("default", "llama3")
+_LLAMA3_ROPE_KEYS = ("factor", "low_freq_factor", "high_freq_factor", "original_max_position_embeddings")
+
+
+class NVLlamaConfig(LlamaConfig):
+    """``LlamaConfig`` plus the backend, vocabulary padding and per-layer precision.
+
+    RoPE settings live where transformers 5 keeps them, ``config.rope_parameters`` (``rope_theta``,
+    ``rope_type`` and, for ``"llama3"``, ``factor``, ``low_freq_factor``, ``high_freq_factor``,
+    ``original_max_position_embeddings``); the legacy ``rope_scaling``/``rope_theta`` arguments are accepted.
+    """
+
+    model_type = "nv_llama"
+
+    # "auto" | "te" | "torch"; see module docstring.
+    backend: str = "auto"
+    # Embedding/LM-head rows, rounded up so the vocabulary GEMM is well aligned. None: vocab_size rounded to 64.
+    padded_vocab_size: int | None = None
+    # One entry per layer: None (bf16/fp32), "fp8" or "fp4"; the matching TE recipe is passed to the model.
+    layer_precision: list | None = None
+    # Std of the input-embedding init; None = initializer_range. 1.0 is "Spike No More" (Takase et al., 2023):
+    # unit-scale embeddings keep early-training gradient spikes small (use it with untied embeddings).
+    embedding_init_std: float | None = None
+    # Megatron-style depth scaling: the attention output projection and the MLP down projection start with
+    # std initializer_range / sqrt(2 * num_hidden_layers), so the residual stream's variance does not grow with depth.
+    scale_output_projection_init: bool = False
+
+    def __post_init__(self, **kwargs):
+        super().__post_init__(**kwargs)
+        if self.padded_vocab_size is None and self.vocab_size is not None:
+            self.padded_vocab_size = 64 * math.ceil(self.vocab_size / 64)
+        self.validate_nv_llama()
+
+    def validate_nv_llama(self) -> None:
+        """Raise ``ValueError`` naming the first setting this implementation cannot honour."""
+        problems = []
+        if self.backend not in BACKENDS:
+            problems.append(f"backend must be one of {BACKENDS}, got {self.backend!r}")
+        if self.hidden_act != "silu":
+            problems.append(f"only hidden_act='silu' (SwiGLU) is supported, got {self.hidden_act!r}")
+        if self.attention_bias or self.mlp_bias:
+            problems.append("attention_bias and mlp_bias must be False (Llama 3 has no biases)")
+        if self.pretraining_tp not in (None, 1):
+            problems.append(f"pretraining_tp must be 1, got {self.pretraining_tp}")
+        if self.num_attention_heads % self.num_key_value_heads:
+            problems.append(
+                f"num_attention_heads ({self.num_attention_heads}) must be divisible by "
+                f"num_key_value_heads ({self.num_key_value_heads})"
+            )
+        if self.vocab_size is None or self.vocab_size <= 0:
+            problems.append(f"vocab_size must be positive, got {self.vocab_size!r}")
+        elif self.padded_vocab_size < self.vocab_size:
+            problems.append(f"padded_vocab_size ({self.padded_vocab_size}) < vocab_size ({self.vocab_size})")
+        rope = self.rope_parameters or {}
+        rope_type = rope.get("rope_type", "default")
+        if rope_type not in ROPE_TYPES:
+            problems.append(f"rope_type must be one of {ROPE_TYPES}, got {rope_type!r}")
+        elif rope_type == "llama3":
+            missing = [key for key in _LLAMA3_ROPE_KEYS if rope.get(key) is None]
+            if missing:
+                problems.append(f"rope_type 'llama3' needs {missing} in rope_parameters")
+        if rope.get("partial_rotary_factor", 1.0) != 1.0:
+            problems.append("partial_rotary_factor != 1 is not supported")
+        if self.embedding_init_std is not None and not self.embedding_init_std > 0:
+            problems.append(f"embedding_init_std must be positive or None, got {self.embedding_init_std!r}")
+        if self.layer_precision is not None:
+            if len(self.layer_precision) != self.num_hidden_layers:
+                problems.append(
+                    f"layer_precision has {len(self.layer_precision)} entries for {self.num_hidden_layers} layers"
+                )
+            bad = sorted({str(p) for p in self.layer_precision if p not in LAYER_PRECISIONS})
+            if bad:
+                problems.append(f"layer_precision entries must be None, 'fp8' or 'fp4', got {bad}")
+        if problems:
+            raise ValueError("Invalid NVLlamaConfig: " + "; ".join(problems))
+
+
+def resolve_backend(requested: str) -> str:
+    """Map ``auto`` to a concrete backend; refuse ``te`` where it cannot run."""
+    te_usable = _TE_IMPORT_ERROR is None and torch.cuda.is_available()
+    if requested == "te" and not te_usable:
+        reason = f"TransformerEngine failed to import ({_TE_IMPORT_ERROR!r})" if te is None else "no CUDA device"
+        raise RuntimeError(f"backend='te' was requested but cannot run here: {reason}. Use backend='torch' or 'auto'.")
+    if requested == "auto":
+        return "te" if te_usable else "torch"
+    return requested
+
+
+# ------------------------------------------------------------------------------------------------- layers
+
+
+def rope_inverse_frequencies(config: NVLlamaConfig, device=None) -> torch.Tensor:
+    """Llama's inverse frequencies, with the Llama 3 (3.1) long-context scaling when rope_type is ``llama3``."""
+    rope = config.rope_parameters or {}
+    base = rope.get("rope_theta", getattr(config, "rope_theta", None) or 10000.0)
+    dim = config.head_dim
+    inv_freq = 1.0 / (base ** (torch.arange(0, dim, 2, dtype=torch.int64, device=device).float() / dim))
+    if rope.get("rope_type", "default") != "llama3":
+        return inv_freq
+    factor, low, high = rope["factor"], rope["low_freq_factor"], rope["high_freq_factor"]
+    old_context = rope["original_max_position_embeddings"]
+    wavelength = 2 * math.pi / inv_freq
+    # Long wavelengths (low frequencies) are slowed by `factor`, short ones kept, the band between interpolated.
+    smooth = (old_context / wavelength - low) / (high - low)
+    interpolated = (1 - smooth) * inv_freq / factor + smooth * inv_freq
+    scaled = torch.where(wavelength > old_context / low, inv_freq / factor, inv_freq)
+    is_medium = (wavelength >= old_context / high) & (wavelength <= old_context / low)
+    return torch.where(is_medium, interpolated, scaled)
+
+
+class NVLlamaRotaryEmbedding(nn.Module):
+    """Rotary frequencies as TE expects them: [seq, 1, 1, head_dim] in float32 (cat(freqs, freqs) layout)."""
+
+    def __init__(self, config: NVLlamaConfig):
+        super().__init__()
+        self.config = config
+        self.head_dim = config.head_dim
+        self.register_buffer("inv_freq", rope_inverse_frequencies(config), persistent=False)
+
+    def reset_parameters(self) -> None:
+        self.inv_freq = rope_inverse_frequencies(self.config, self.inv_freq.device)
+
+    def forward(self, max_seqlen: int) -> torch.Tensor:
+        positions = torch.arange(max_seqlen, device=self.inv_freq.device, dtype=torch.float32)
+        freqs = torch.outer(positions, self.inv_freq)
+        return torch.cat((freqs, freqs), dim=-1).view(max_seqlen, 1, 1, self.head_dim)
+
+
+def _build_layers(config: NVLlamaConfig, backend: str) -> nn.ModuleList:
+    layer_class = te.TransformerLayer if backend == "te" else TorchTransformerLayer
+    std = config.initializer_range
+    output_std = std / math.sqrt(2 * config.num_hidden_layers) if config.scale_output_projection_init else std
+
+    def init_method(weight: torch.Tensor) -> None:
+        nn.init.normal_(weight, mean=0.0, std=std)
+
+    def output_layer_init_method(weight: torch.Tensor) -> None:
+        nn.init.normal_(weight, mean=0.0, std=output_std)
+
+    device_kwargs = {}
+    if backend == "te":  # TE allocates on CUDA unless told otherwise; honour a meta-device context
+        device_kwargs["device"] = "meta" if torch.empty(0).device.type == "meta" else "cuda"
+    return nn.ModuleList(
+        layer_class(
+            hidden_size=config.hidden_size,
+            ffn_hidden_size=config.intermediate_size,
+            num_attention_heads=config.num_attention_heads,
+            num_gqa_groups=config.num_key_value_heads,
+            kv_channels=config.head_dim,
+            layernorm_epsilon=config.rms_norm_eps,
+            hidden_dropout=0.0,
+            attention_dropout=config.attention_dropout or 0.0,
+            init_method=init_method,
+            output_layer_init_method=output_layer_init_method,
+            layer_number=index + 1,
+            self_attn_mask_type="padding_causal",
+            layer_type="encoder",  # TE's name for a self-attention-only block (no cross-attention)
+            normalization="RMSNorm",
+            activation="swiglu",
+            bias=False,
+            fuse_qkv_params=True,
+            qkv_weight_interleaved=True,
+            attn_input_format="thd",
+            params_dtype=config.dtype if isinstance(config.dtype, torch.dtype) else torch.float32,
+            **device_kwargs,
+        )
+        for index in range(config.num_hidden_layers)
+    )
+
+
+class RMSNorm(nn.Module):
+    """Llama's final RMSNorm (statistics in float32), parameter ``weight``."""
+
+    def __init__(self, hidden_size: int, eps: float):
+        super().__init__()
+        self.weight = nn.Parameter(torch.ones(hidden_size))
+        self.eps = eps
+
+    def forward(self, hidden: torch.Tensor) -> torch.Tensor:
+        x = hidden.float()
+        x = x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + self.eps)
+        return self.weight * x.to(hidden.dtype)
+
+
+def _is_backend_layer(module: nn.Module) -> bool:
+    """A TE or torch_layers module that owns parameters and knows how to initialise them."""
+    origin = type(module).__module__
+    return (
+        hasattr(module, "reset_parameters")
+        and (origin.startswith("transformer_engine") or origin == TorchTransformerLayer.__module__)
+        and any(True for _ in module.parameters(recurse=False))
+    )
+
+
+class NVLlamaPreTrainedModel(PreTrainedModel):
+    config_class = NVLlamaConfig
+    config: NVLlamaConfig
+    base_model_prefix = "model"
+    _no_split_modules = ["TransformerLayer"]
+    # TE keeps FP8 scaling state in `_extra_state`; it is runtime bookkeeping, not part of a published model.
+    _keys_to_ignore_on_load_missing = [r"_extra_state"]
+    _keys_to_ignore_on_load_unexpected = [r"_extra_state"]
+
+    @torch.no_grad()
+    def _init_weights(self, module: nn.Module) -> None:
+        std = self.config.initializer_range
+        if isinstance(module, nn.Embedding) and self.config.embedding_init_std is not None:
+            nn.init.normal_(module.weight, mean=0.0, std=self.config.embedding_init_std)
+        elif isinstance(module, nn.Embedding | nn.Linear):
+            nn.init.normal_(module.weight, mean=0.0, std=std)
+        elif isinstance(module, RMSNorm):
+            nn.init.ones_(module.weight)
+        elif isinstance(module, NVLlamaRotaryEmbedding) or _is_backend_layer(module):
+            module.reset_parameters()
+
+    def init_empty_weights(self, device: torch.device | str | None = None) -> None:
+        """Materialise a meta-device model (FSDP2-sharded or not) on ``device`` and initialise every weight.
+
+        Build the model under ``torch.device("meta")``, shard it, then call this: parameters are allocated
+        shard by shard and initialised with the same distributions as direct construction.
+        """
+        if device is None:
+            device = torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available() else "cpu"
+        self.to_empty(device=device)
+        for module in self.modules():
+            self._init_weights(module)
+        if self.config.tie_word_embeddings:
+            self.tie_weights()
+
+
+def _module_output(out):
+    """Sub-modules of a ``te.TransformerLayer`` return (output, bias) pairs; their torch twins return the output."""
+    return out[0] if isinstance(out, tuple) else out
+
+
+def _split_fused_qkv(mixed: torch.Tensor, config: NVLlamaConfig):
+    """TE's interleaved fused-QKV output [..., groups * (heads/groups + 2) * head_dim] -> q, k, v [..., heads, dim]."""
+    groups, per_group = config.num_key_value_heads, config.num_attention_heads // config.num_key_value_heads
+    lead = mixed.shape[:-1]
+    q, k, v = mixed.view(*lead, groups, per_group + 2, config.head_dim).split([per_group, 1, 1], dim=-2)
+    return (x.reshape(*lead, -1, config.head_dim) for x in (q, k, v))
+
+
+def _cached_layer_step(
+    layer, layer_index: int, config: NVLlamaConfig, hidden, rotary, positions, cache: Cache, attend
+) -> torch.Tensor:
+    """One pre-norm decoder block on BSHD ``hidden`` [batch, new, hidden] with a key/value cache.
+
+    Runs the layer's own sub-modules (TE's or the torch twins', same names and weights) and ``attend`` (causal
+    attention over all cached keys) in place of the layer's fused attention, which has no Hugging Face cache.
+    """
+    attention = layer.self_attention
+    q, k, v = _split_fused_qkv(_module_output(attention.layernorm_qkv(hidden)), config)
+    q = apply_rotary_pos_emb(q, rotary, "bshd", positions=positions)
+    k = apply_rotary_pos_emb(k, rotary, "bshd", positions=positions)
+    # Hugging Face caches hold [batch, heads, seq, head_dim]; the layers work in [batch, seq, heads, head_dim].
+    keys, values = cache.update(k.transpose(1, 2), v.transpose(1, 2), layer_index)
+    context = attend(q, keys.transpose(1, 2), values.transpose(1, 2))
+    hidden = hidden + _module_output(attention.proj(context))
+    return hidden + _module_output(layer.layernorm_mlp(hidden))
+
+
+class NVLlamaModel(NVLlamaPreTrainedModel):
+    """The Llama decoder stack. ``forward`` returns ``last_hidden_state`` in the caller's layout."""
+
+    def __init__(self, config: NVLlamaConfig, fp8_recipe=None, fp4_recipe=None):
+        super().__init__(config)
+        self.backend = resolve_backend(config.backend)
+        self.embed_tokens = nn.Embedding(config.padded_vocab_size, config.hidden_size, config.pad_token_id)
+        self.layers = _build_layers(config, self.backend)
+        self.norm = RMSNorm(config.hidden_size, eps=config.rms_norm_eps)
+        self.rotary_emb = NVLlamaRotaryEmbedding(config)
+        self.layer_precision = list(config.layer_precision or [None] * config.num_hidden_layers)
+        self._recipes = {"fp8": fp8_recipe, "fp4": fp4_recipe}
+        for precision in set(self.layer_precision) - {None}:
+            if self._recipes[precision] is None:
+                raise ValueError(f"config.layer_precision asks for {precision} but no {precision}_recipe was passed")
+            if self.backend != "te":
+                raise ValueError(f"{precision} layers need the TransformerEngine backend (this model uses 'torch')")
+        self.cp_group = None
+        self.post_init()
+
+    def get_input_embeddings(self) -> nn.Embedding:
+        return self.embed_tokens
+
+    def set_input_embeddings(self, value: nn.Embedding) -> None:
+        self.embed_tokens = value
+
+    def set_context_parallel_group(self, cp_group, cp_global_ranks, cp_stream, cp_comm_type: str = "p2p") -> None:
+        """Split every attention over ``cp_group``: TE's ring attention, or on the torch backend an all-gathered
+        attention with the same results (for CPU tests; it costs ``cp_size`` times the attention compute).
+
+        Batches must then be THD and already split (see ``packing._pack_context_parallel``), with ``shift_labels``."""
+        for layer in self.layers:
+            layer.set_context_parallel_group(cp_group, cp_global_ranks, cp_stream, cp_comm_type)
+        self.cp_group = cp_group
+
+    def _precision_context(self, layer_index: int):
+        precision = self.layer_precision[layer_index]
+        if self.backend != "te" or all(p is None for p in self.layer_precision):
+            return contextlib.nullcontext()  # leave any caller-level autocast in charge
+        recipe = self._recipes.get(precision) if precision else None
+        return te.autocast(enabled=recipe is not None, recipe=recipe)
+
+    def _alignment(self) -> int:
+        return 16 if any(p is not None for p in self.layer_precision) else 1
+
+    def pack(
+        self,
+        input_ids,
+        attention_mask=None,
+        cu_seq_lens_q=None,
+        cu_seq_lens_k=None,
+        max_length_q=None,
+        cu_seq_lens_q_padded=None,
+    ) -> PackedBatch:
+        pad = self.config.pad_token_id if self.config.pad_token_id is not None else 0
+        return pack_inputs(
+            input_ids,
+            attention_mask,
+            cu_seq_lens_q,
+            cu_seq_lens_k,
+            max_length_q,
+            pad,
+            self._alignment(),
+            cu_seq_lens_q_padded,
+            self.cp_group,
+        )
+
+    def forward_packed(self, packed: PackedBatch, output_hidden_states: bool = False):
+        """Run the decoder on packed tokens: returns ([tokens, hidden], tuple of per-layer inputs or None)."""
+        hidden = self.embed_tokens(packed.input_ids)
+        rotary = self.rotary_emb(packed.max_seqlen)
+        all_hidden = []
+        for index, layer in enumerate(self.layers):
+            if output_hidden_states:
+                all_hidden.append(hidden)
+            with self._precision_context(index):
+                hidden = layer(hidden, rotary_pos_emb=rotary, **packed.layer_boundaries())
+        hidden = self.norm(hidden)
+        if output_hidden_states:
+            all_hidden.append(hidden)
+        return hidden, (tuple(all_hidden) if output_hidden_states else None)
+
+    def forward_cached(
+        self,
+        input_ids: torch.Tensor,
+        attention_mask: torch.Tensor | None,
+        position_ids: torch.Tensor | None,
+        past_key_values: Cache,
+    ) -> torch.Tensor:
+        """One decoding step on BSHD input with a key/value cache (either backend): returns [batch, new, hidden].
+
+        ``attention_mask`` covers cached and new tokens ([batch, past + new]), as ``generate`` passes it.
+        """
+        if input_ids.dim() != 2:
+            raise ValueError(f"cached decoding takes BSHD input_ids [batch, seq], got {tuple(input_ids.shape)}")
+        batch, new = input_ids.shape
+        past = past_key_values.get_seq_length()
+        if attention_mask is None:
+            attention_mask = torch.ones(batch, past + new, dtype=torch.long, device=input_ids.device)
+        if attention_mask.shape != (batch, past + new):
+            raise ValueError(
+                f"attention_mask must cover the {past} cached and {new} new tokens: expected {(batch, past + new)}, "
+                f"got {tuple(attention_mask.shape)}"
+            )
+        if position_ids is None:
+            position_ids = (attention_mask.long().cumsum(-1) - 1).clamp(min=0)[:, -new:]
+        position_ids = position_ids.expand(batch, new)
+        rotary = self.rotary_emb(int(position_ids.max()) + 1)
+        ignore_key = ~attention_mask.bool()[:, None, None, :]  # TE convention: True where a key is masked
+        # Causal attention of the new queries over all cached keys (aligned to the last key), GQA, padding masked;
+        # the twin's SDPA-based attention has no weights, so it serves both backends.
+        core = TorchDotProductAttention(
+            self.config.num_attention_heads,
+            self.config.head_dim,
+            num_gqa_groups=self.config.num_key_value_heads,
+            attn_mask_type="padding_causal",
+        )
+
+        def attend(q, k, v):
+            return core(q, k, v, attention_mask=ignore_key, qkv_format="bshd")
+
+        hidden = self.embed_tokens(input_ids)
+        for index, layer in enumerate(self.layers):
+            hidden = _cached_layer_step(
+                layer, index, self.config, hidden, rotary, position_ids, past_key_values, attend
+            )
+        return self.norm(hidden)
+
+    def forward(
+        self,
+        input_ids: torch.Tensor,
+        attention_mask: torch.Tensor | None = None,
+        position_ids: torch.Tensor | None = None,
+        past_key_values: Cache | None = None,
+        use_cache: bool | None = None,
+        cu_seq_lens_q: torch.Tensor | None = None,
+        cu_seq_lens_k: torch.Tensor | None = None,
+        max_length_q: int | None = None,
+        max_length_k: int | None = None,
+        cu_seq_lens_q_padded: torch.Tensor | None = None,
+        cu_seq_lens_k_padded: torch.Tensor | None = None,
+        output_hidden_states: bool | None = None,
+        return_dict: bool | None = None,
+        **kwargs,
+    ) -> BaseModelOutputWithPast:
+        """``position_ids`` are used with a cache only; packed runs restart positions at each sequence's first
+        real token, which is what ``generate`` computes for left- or right-padded batches."""
+        if _wants_cache(past_key_values, use_cache):
+            past_key_values = past_key_values if past_key_values is not None else DynamicCache(config=self.config)
+            hidden = self.forward_cached(input_ids, attention_mask, position_ids, past_key_values)
+            return BaseModelOutputWithPast(last_hidden_state=hidden, past_key_values=past_key_values)
+        packed = self.pack(input_ids, attention_mask, cu_seq_lens_q, cu_seq_lens_k, max_length_q, cu_seq_lens_q_padded)
+        hidden, all_hidden = self.forward_packed(packed, bool(output_hidden_states))
+        return BaseModelOutputWithPast(
+            last_hidden_state=packed.unpack(hidden),
+            hidden_states=tuple(packed.unpack(h) for h in all_hidden) if all_hidden else None,
+        )
+
+
+def _wants_cache(past_key_values: Cache | None, use_cache: bool | None) -> bool:
+    """The cached path runs when a cache is passed or ``use_cache=True`` is explicit (``generate`` does both).
+    ``config.use_cache`` alone does not switch a training forward to it."""
+    return past_key_values is not None or use_cache is True
+
+
+class NVLlamaForCausalLM(NVLlamaPreTrainedModel, GenerationMixin):
+    _tied_weights_keys = {"lm_head.weight": "model.embed_tokens.weight"}
+    # Takes context-parallel shards (model.set_context_parallel_group + cu_seq_lens_q_padded + shift_labels).
+    supports_context_parallel = True
+
+    def __init__(self, config: NVLlamaConfig, fp8_recipe=None, fp4_recipe=None):
+        super().__init__(config)
+        self.model = NVLlamaModel(config, fp8_recipe=fp8_recipe, fp4_recipe=fp4_recipe)
+        # Always in the model's own dtype (never quantized): it runs outside the per-layer precision contexts.
+        self.lm_head = nn.Linear(config.hidden_size, config.padded_vocab_size, bias=False)
+        self.post_init()
+
+    @property
+    def backend(self) -> str:
+        return self.model.backend
+
+    def get_output_embeddings(self) -> nn.Linear:
+        return self.lm_head
+
+    def set_output_embeddings(self, value: nn.Linear) -> None:
+        self.lm_head = value
+
+    def _logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        # The GEMM runs over the padded vocabulary; the padding columns are cut before anyone sees them.
+        return self.lm_head(hidden)[..., : self.config.vocab_size]
+
+    def forward(
+        self,
+        input_ids: torch.Tensor,
+        attention_mask: torch.Tensor | None = None,
+        position_ids: torch.Tensor | None = None,
+        past_key_values: Cache | None = None,
+        use_cache: bool | None = None,
+        labels: torch.Tensor | None = None,
+        cu_seq_lens_q: torch.Tensor | None = None,
+        cu_seq_lens_k: torch.Tensor | None = None,
+        max_length_q: int | None = None,
+        max_length_k: int | None = None,
+        output_hidden_states: bool | None = None,
+        return_dict: bool | None = None,
+        logits_to_keep: int = 0,
+        shift_labels: torch.Tensor | None = None,
+        cu_seq_lens_q_padded: torch.Tensor | None = None,
+        cu_seq_lens_k_padded: torch.Tensor | None = None,
+        **kwargs,
+    ) -> CausalLMOutputWithPast:
+        """Next-token logits; ``labels`` are the input tokens (shifted inside, per sequence, as Hugging Face does).
+
+        ``shift_labels`` (Hugging Face's name) are targets already shifted: token i is scored on ``shift_labels[i]``.
+        Context-parallel shards need them, since a shard's next token may live on another rank.
+        """
+        if labels is not None and shift_labels is not None:
+            raise ValueError("pass labels (shifted inside) or shift_labels (already shifted), not both")
+        if _wants_cache(past_key_values, use_cache):
+            if labels is not None or shift_labels is not None:
+                raise ValueError("labels cannot be combined with a KV cache; pass use_cache=False to compute a loss")
+            out = self.model(input_ids, attention_mask, position_ids, past_key_values, use_cache=True)
+            hidden = out.last_hidden_state
+            if logits_to_keep:
+                hidden = hidden[:, -logits_to_keep:]
+            return CausalLMOutputWithPast(logits=self._logits(hidden), past_key_values=out.past_key_values)
+        packed = self.model.pack(
+            input_ids, attention_mask, cu_seq_lens_q, cu_seq_lens_k, max_length_q, cu_seq_lens_q_padded
+        )
+        if packed.cp_group is not None and labels is not None:
+            raise ValueError(
+                "under context parallelism pass shift_labels (targets shifted to the next token before the batch "
+                "was split over ranks), not labels"
+            )
+        hidden, all_hidden = self.model.forward_packed(packed, bool(output_hidden_states))
+        logits = self._logits(hidden)
+        loss = None
+        if labels is not None:
+            loss = token_mean_loss(logits, packed.next_token_labels(labels))
+        elif shift_labels is not None:
+            loss = token_mean_loss(logits, packed.pack_like(shift_labels), packed.cp_group)
+        logits = packed.unpack(logits)
+        if logits_to_keep:
+            logits = logits[..., -logits_to_keep:, :]
+        return CausalLMOutputWithPast(
+            loss=loss,
+            logits=logits,
+            hidden_states=tuple(packed.unpack(h) for h in all_hidden) if all_hidden else None,
+        )
