@@ -1,0 +1,137 @@
+"""Windows, labels and batches for autoregressive DNA pre-training.
+
+A sequence of bases is tokenized once and laid out as ``<bos>`` + bases + ``<eos>``; that token stream is cut into
+windows of ``window`` tokens, ``window - overlap`` apart. So ``<bos>`` appears only in the first window of a
+sequence and ``<eos>`` only in its last one: an interior window of a long contig is neither a beginning nor an end,
+and the model is never taught that genomes start or stop every 8,192 bases. The last window may be shorter than
+``window`` (it starts where the stride puts it), so no window repeats more than ``overlap`` tokens of its neighbour.
+
+Labels are the input tokens (the model shifts them inside, per packed sequence) with two genomic rules:
+
+- ``uppercase_labels``: a soft-masked (lowercase) base is predicted as its uppercase base. The input keeps the
+  lowercase token, so the model may use the repeat annotation as context, but it is never asked to guess it;
+- ``mask_degenerate_bases``: every base other than A/C/G/T (N, IUPAC codes, anything unexpected) gets label -100,
+  so it is never a target. ``<bos>`` and ``<pad>`` are never targets; ``<eos>`` is.
+
+THD packing lays pieces end to end in one row of exactly ``token_budget`` tokens. A piece is a window or, when a
+window does not fit, its head (the tail starts the next batch as a sequence of its own: attention never crosses).
+"""
+
+import numpy as np
+import torch
+
+
+IGNORE_INDEX = -100
+BASES = "ACGT"
+
+
+def window_starts(length: int, window: int, overlap: int) -> list[int]:
+    """Offsets of the windows of ``window`` tokens, ``window - overlap`` apart, that together cover ``length``.
+
+    Windows start at 0, stride, 2 * stride, ... until one reaches the end; the last one may be short. (Moving the last
+    window back to end exactly at ``length`` would repeat almost a whole window for a sequence one token too long.)
+    """
+    if window <= 0:
+        raise ValueError(f"window must be positive, got {window}")
+    if not 0 <= overlap < window:
+        raise ValueError(f"overlap must be in [0, window), got overlap={overlap}, window={window}")
+    stride = window - overlap
+    starts = [0]
+    while starts[-1] + window < length:
+        starts.append(starts[-1] + stride)
+    return starts
+
+
+def sequence_windows(
+    bases: np.ndarray,
+    window: int,
+    overlap: int,
+    bos_token_id: int | None,
+    eos_token_id: int | None,
+) -> list[np.ndarray]:
+    """Cut one tokenized sequence into windows; ``<bos>``/``<eos>`` (None: leave out) mark its true ends only.
+
+    Chunks of a longer sequence written by ``scripts/reshard_to_parquet.py --chunk-length`` pass None for the end
+    that is not a true sequence boundary.
+    """
+    head = [] if bos_token_id is None else [bos_token_id]
+    tail = [] if eos_token_id is None else [eos_token_id]
+    tokens = np.concatenate([np.array(head, dtype=bases.dtype), bases, np.array(tail, dtype=bases.dtype)])
+    return [tokens[start : start + window] for start in window_starts(len(tokens), window, overlap)]
+
+
+class LabelMaker:
+    """Maps input token ids to label ids through a lookup table (uppercasing, degenerate-base masking)."""
+
+    def __init__(self, tokenizer, uppercase_labels: bool = True, mask_degenerate_bases: bool = True):
+        size = max(len(tokenizer), max(tokenizer.get_vocab().values()) + 1)
+        table = np.arange(size, dtype=np.int64)
+        ids = {token: tokenizer.convert_tokens_to_ids(token) for token in BASES + BASES.lower()}
+        if uppercase_labels:
+            for base in BASES:
+                table[ids[base.lower()]] = ids[base]
+        if mask_degenerate_bases:
+            keep = set(ids.values()) | {tokenizer.eos_token_id}
+            table[[i for i in range(size) if i not in keep]] = IGNORE_INDEX
+        table[tokenizer.bos_token_id] = IGNORE_INDEX
+        if tokenizer.pad_token_id is not None:
+            table[tokenizer.pad_token_id] = IGNORE_INDEX
+        self.table = table
+
+    def __call__(self, input_ids: np.ndarray) -> np.ndarray:
+        return self.table[input_ids]
+
+
+def collate_thd(pieces: list[np.ndarray], labels: LabelMaker) -> dict:
+    """Concatenate ``pieces`` into one packed row [1, tokens] with Hugging Face's flash-attention argument names."""
+    lengths = np.array([len(p) for p in pieces], dtype=np.int64)
+    input_ids = np.concatenate(pieces).astype(np.int64)
+    cu = torch.from_numpy(np.concatenate([[0], np.cumsum(lengths)]).astype(np.int32))
+    longest = int(lengths.max())
+    return {
+        "input_ids": torch.from_numpy(input_ids)[None],
+        "labels": torch.from_numpy(labels(input_ids))[None],
+        "cu_seq_lens_q": cu,
+        "cu_seq_lens_k": cu.clone(),
+        "max_length_q": longest,
+        "max_length_k": longest,
+    }
+
+
+def collate_bshd(windows: list[np.ndarray], labels: LabelMaker, pad_token_id: int) -> dict[str, torch.Tensor]:
+    """Right-pad ``windows`` to the longest: ``input_ids``, ``attention_mask`` and ``labels`` [batch, seq]."""
+    longest = max(len(w) for w in windows)
+    input_ids = np.full((len(windows), longest), pad_token_id, dtype=np.int64)
+    mask = np.zeros((len(windows), longest), dtype=np.int64)
+    for row, window in enumerate(windows):
+        input_ids[row, : len(window)] = window
+        mask[row, : len(window)] = 1
+    return {
+        "input_ids": torch.from_numpy(input_ids),
+        "attention_mask": torch.from_numpy(mask),
+        "labels": torch.from_numpy(np.where(mask == 1, labels(input_ids), IGNORE_INDEX)),
+    }
+
+
+def count_targets(batch: dict) -> int:
+    """Tokens the model scores in ``batch``: labelled tokens that are not the first of their sequence (token i is
+    predicted from the tokens before it, so a sequence's first label is never used)."""
+    labels = batch["labels"]
+    if "cu_seq_lens_q" in batch:  # THD: one row, sequences start at cu_seq_lens_q[:-1]
+        scored = labels[0] != IGNORE_INDEX
+        scored[batch["cu_seq_lens_q"][:-1].long()] = False
+        return int(scored.sum())
+    columns = torch.arange(labels.shape[1])
+    lengths = batch["attention_mask"].sum(dim=1, keepdim=True)  # right padding: real tokens come first
+    return int(((labels != IGNORE_INDEX) & (columns > 0) & (columns < lengths)).sum())
+
+
+def token_weights(micro_batches: list[dict]) -> list[float]:
+    """Each micro-batch's share of the scored tokens of an optimizer step (equal shares when none has any).
+
+    The model returns each micro-batch's *mean* loss; weighting by these shares makes k micro-batches give the gradient
+    of one batch holding all of them, however padding and degenerate-base masking fall.
+    """
+    counts = [count_targets(batch) for batch in micro_batches]
+    total = sum(counts)
+    return [count / total for count in counts] if total else [1 / len(counts)] * len(counts)

@@ -1,0 +1,397 @@
+"""Streaming DNA for causal-LM pre-training: read shards lazily, cut windows, pack, split per rank, resume exactly.
+
+``create_dataloader(data_cfg, tokenizer, dp_rank, dp_world_size, seed)`` is the training entry point (an endless,
+resumable ``StatefulDataLoader``); ``validation_batches(...)`` makes one finite pass over a held-out file. ``data_cfg``
+holds the keys of the ``dataset:`` group in ``hydra_config/defaults.yaml``; unknown keys are an error.
+
+Sources (a file, a directory or a glob): JSON lines (``.jsonl``/``.jsonl.gz``, the sequence under
+``sequence_column``, OpenGenome2's layout), FASTA (``.fa``/``.fasta``/``.fna``, optionally ``.gz``) and Parquet
+(e.g. the globally shuffled shards of ``scripts/reshard_to_parquet.py``). Nothing is loaded whole: files are read
+record by record (Parquet one row group at a time), and only the current record's tokens are held.
+
+Who reads what: with at least as many files as data-parallel ranks, rank r reads files r, r + n, r + 2n, ... (no
+rank touches another's files); with fewer files, every rank reads every file and keeps records r, r + n, ... of
+each. Each rank walks its files in a new seeded order every epoch and starts the next epoch when done, so the stream
+never ends. Within a file the order is the file's own: shuffle globally with the reshard script.
+
+Resume: the state is a cursor to the next unread token (epoch, file, record, window, offset into that window), so a
+resumed run re-opens one file, skips to the record (JSONL lines are skipped unparsed, Parquet row groups by their
+metadata) and continues at the same token, also in the middle of a window that packing split over two batches.
+"""
+
+import glob
+import gzip
+import json
+import logging
+from collections.abc import Iterator
+from dataclasses import asdict, dataclass, replace
+from itertools import islice
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import pyarrow.parquet as pq
+import torch
+from collator import LabelMaker, collate_bshd, collate_thd, sequence_windows
+from torchdata.stateful_dataloader import StatefulDataLoader
+
+
+logger = logging.getLogger(__name__)
+
+FASTA_SUFFIXES = (".fa", ".fasta", ".fna")
+FORMATS = ("jsonl", "fasta", "parquet")
+DEFAULTS = {
+    "path": None,
+    "format": "auto",
+    "sequence_column": "text",
+    "max_seq_length": 8192,
+    "window_overlap": 200,
+    "input_format": "thd",
+    "micro_batch_size": 1,
+    "token_budget": 8192,
+    "split_samples": True,
+    "uppercase_labels": True,
+    "mask_degenerate_bases": True,
+    "shuffle_files": True,
+    "num_workers": 1,
+}
+# Written by reshard_to_parquet.py --chunk-length: whether a row begins / ends its original sequence, so that
+# <bos>/<eos> still mark only true sequence boundaries.
+START_COLUMN, END_COLUMN = "seq_start", "seq_end"
+
+
+# ------------------------------------------------------------------------------------------------ reading files
+
+
+@dataclass(frozen=True)
+class Record:
+    text: str
+    starts_sequence: bool = True
+    ends_sequence: bool = True
+
+
+def file_format(file: Path, fmt: str = "auto") -> str:
+    if fmt != "auto":
+        return fmt
+    name = file.name.lower().removesuffix(".gz")
+    if name.endswith(FASTA_SUFFIXES):
+        return "fasta"
+    if name.endswith(".parquet"):
+        return "parquet"
+    if name.endswith(".jsonl"):  # not .json: a directory of shards may hold a manifest.json
+        return "jsonl"
+    raise ValueError(f"cannot tell the format of {file}; name it .jsonl[.gz], .fa/.fasta/.fna[.gz] or .parquet")
+
+
+def resolve_files(path: str, fmt: str = "auto") -> list[Path]:
+    """The data files a path names, sorted; a directory contributes the files whose format its names give away."""
+    if any(ch in path for ch in "*?["):
+        files = sorted(Path(p) for p in glob.glob(path) if Path(p).is_file())
+    elif Path(path).is_dir():
+        files = []
+        for candidate in sorted(p for p in Path(path).iterdir() if p.is_file() and not p.name.startswith(".")):
+            try:  # by name, so a manifest.json or README beside Parquet shards is not read as one
+                kind = file_format(candidate)
+            except ValueError:
+                continue
+            if fmt in ("auto", kind):
+                files.append(candidate)
+    elif Path(path).is_file():
+        files = [Path(path)]
+    else:
+        raise FileNotFoundError(f"dataset path {path!r} does not exist")
+    if not files:
+        raise FileNotFoundError(f"dataset path {path!r} names no data files")
+    return files
+
+
+def _open_text(file: Path):
+    return gzip.open(file, "rt") if file.name.endswith(".gz") else open(file)
+
+
+def iter_fasta(file: Path) -> Iterator[tuple[str, str]]:
+    """(header, sequence) pairs, one record in memory at a time; line breaks inside a sequence are dropped."""
+    name, chunks = None, []
+    with _open_text(file) as fh:
+        for number, line in enumerate(fh, 1):
+            line = line.strip()
+            if line.startswith(">"):
+                if name is not None:
+                    yield name, "".join(chunks)
+                name, chunks = line[1:].strip(), []
+            elif line:
+                if name is None:
+                    raise ValueError(f"{file}:{number}: sequence data before the first '>' header; not FASTA")
+                chunks.append(line)
+    if name is not None:
+        yield name, "".join(chunks)
+
+
+def _jsonl_records(file: Path, column: str, skip: int, keep) -> Iterator[tuple[int, Record]]:
+    index = -1
+    with _open_text(file) as fh:
+        for number, line in enumerate(fh, 1):
+            if not line.strip():
+                continue
+            index += 1
+            if index < skip or not keep(index):  # skipped lines are never parsed: resuming is cheap
+                continue
+            try:
+                record = json.loads(line)
+            except json.JSONDecodeError as error:
+                raise ValueError(f"{file}:{number}: not a JSON object ({error.msg}); malformed JSONL") from None
+            if not isinstance(record, dict) or not isinstance(record.get(column), str):
+                raise ValueError(f"{file}:{number}: no string under key {column!r}; set dataset.sequence_column")
+            yield index, Record(record[column])
+
+
+def _parquet_records(file: Path, column: str, skip: int, keep) -> Iterator[tuple[int, Record]]:
+    parquet = pq.ParquetFile(file)
+    names = parquet.schema_arrow.names
+    if column not in names:
+        raise ValueError(f"{file} has no column {column!r} (columns: {names}); set dataset.sequence_column")
+    flags = [name for name in (START_COLUMN, END_COLUMN) if name in names]
+    first = 0
+    for group in range(parquet.num_row_groups):
+        rows = parquet.metadata.row_group(group).num_rows
+        if first + rows > skip:  # row groups wholly before the resume point are never read
+            table = parquet.read_row_group(group, columns=[column, *flags]).to_pydict()
+            for row, text in enumerate(table[column]):
+                if first + row < skip or not keep(first + row):
+                    continue
+                if not isinstance(text, str):
+                    raise ValueError(f"{file}: row {first + row} of column {column!r} is not a string")
+                ends = [table[name][row] if name in table else True for name in (START_COLUMN, END_COLUMN)]
+                yield first + row, Record(text, *ends)
+        first += rows
+
+
+def iter_records(
+    file: Path, fmt: str = "auto", column: str = "text", skip: int = 0, keep=lambda index: True
+) -> Iterator[tuple[int, Record]]:
+    """(index in file, record) for the records from ``skip`` on that ``keep(index)`` accepts."""
+    kind = file_format(file, fmt)
+    try:
+        if kind == "jsonl":
+            yield from _jsonl_records(file, column, skip, keep)
+        elif kind == "parquet":
+            yield from _parquet_records(file, column, skip, keep)
+        else:
+            for index, (_, sequence) in enumerate(iter_fasta(file)):
+                if index >= skip and keep(index):
+                    yield index, Record(sequence)
+    except (OSError, EOFError) as error:  # truncated gzip, corrupt Parquet footer, ...
+        raise ValueError(f"{file}: cannot be read as {kind} ({error})") from error
+
+
+# ------------------------------------------------------------------------------------------------ the stream
+
+
+@dataclass(frozen=True)
+class Cursor:
+    """The next unread token: ``offset`` tokens into window ``window`` of record ``record`` (its index in the file)
+    of the ``file``-th file of this rank's order for ``epoch``."""
+
+    epoch: int = 0
+    file: int = 0
+    record: int = 0
+    window: int = 0
+    offset: int = 0
+
+    def key(self) -> tuple[int, int, int, int]:
+        return (self.epoch, self.file, self.record, self.window)
+
+
+class GenomicStream(torch.utils.data.IterableDataset):
+    """Batches for one data-parallel rank: endless and resumable for training, or one ordered pass (validation)."""
+
+    def __init__(self, files, tokenizer, cfg: dict, dp_rank: int, dp_world_size: int, seed: int, endless=True):
+        self.cfg, self.seed, self.endless = cfg, seed, endless
+        self.dp_rank, self.dp_world_size = dp_rank, dp_world_size
+        self.by_file = len(files) >= dp_world_size
+        self.files = list(files[dp_rank::dp_world_size]) if self.by_file else list(files)
+        self.tokenizer = tokenizer
+        self.token_dtype = np.uint8 if len(tokenizer) <= 256 else np.int32
+        self.labels = LabelMaker(tokenizer, cfg["uppercase_labels"], cfg["mask_degenerate_bases"])
+        self.pad_token_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
+        self.cursor, self.batches = Cursor(), 0
+
+    def _keep(self, index: int) -> bool:
+        return self.by_file or index % self.dp_world_size == self.dp_rank
+
+    def _file_order(self, epoch: int) -> list[Path]:
+        if not (self.endless and self.cfg["shuffle_files"]):
+            return self.files
+        order = np.random.default_rng([self.seed, epoch, self.dp_rank]).permutation(len(self.files))
+        return [self.files[i] for i in order]
+
+    def _windows_of(self, record: Record) -> list[np.ndarray]:
+        ids = self.tokenizer(record.text, add_special_tokens=False)["input_ids"]
+        return sequence_windows(
+            np.asarray(ids, dtype=self.token_dtype),
+            self.cfg["max_seq_length"],
+            self.cfg["window_overlap"],
+            self.tokenizer.bos_token_id if record.starts_sequence else None,
+            self.tokenizer.eos_token_id if record.ends_sequence else None,
+        )
+
+    def _windows(self, start: Cursor) -> Iterator[tuple[Cursor, np.ndarray]]:
+        """Every window from ``start`` on, with the cursor of its first token (what precedes ``start`` is dropped)."""
+        epoch = start.epoch
+        while True:
+            found = False
+            for file_pos, file in enumerate(self._file_order(epoch)):
+                if (epoch, file_pos) < (start.epoch, start.file):
+                    continue
+                skip = start.record if (epoch, file_pos) == (start.epoch, start.file) else 0
+                for index, record in iter_records(
+                    file, self.cfg["format"], self.cfg["sequence_column"], skip, self._keep
+                ):
+                    if not record.text:
+                        continue
+                    found = True
+                    for number, window in enumerate(self._windows_of(record)):
+                        here = Cursor(epoch, file_pos, index, number)
+                        if here.key() < start.key():
+                            continue
+                        offset = start.offset if here.key() == start.key() else 0
+                        if offset < len(window):
+                            yield replace(here, offset=offset), window[offset:]
+            if not self.endless:
+                return
+            whole_epoch = epoch > start.epoch or start == Cursor(epoch=epoch)  # not resumed part-way through it
+            if whole_epoch and not found:
+                raise ValueError(
+                    f"data-parallel rank {self.dp_rank} of {self.dp_world_size} gets no sequences from "
+                    f"{len(self.files)} file(s); use more data or fewer ranks"
+                )
+            epoch += 1
+
+    def _thd_groups(self, windows) -> Iterator[tuple[list[np.ndarray], Cursor | None]]:
+        budget, split = self.cfg["token_budget"], self.cfg["split_samples"]
+        pieces, used = [], 0
+        for cursor, window in windows:
+            start = 0
+            while start < len(window):
+                if len(window) - start > budget - used and not split:
+                    yield (
+                        pieces,
+                        replace(cursor, offset=cursor.offset + start),
+                    )  # the whole window starts the next batch
+                    pieces, used = [], 0
+                take = min(budget - used, len(window) - start)
+                pieces.append(window[start : start + take])
+                used, start = used + take, start + take
+                if used == budget:
+                    yield pieces, replace(cursor, offset=cursor.offset + start)
+                    pieces, used = [], 0
+        if pieces:  # only a finite stream ends: its last batch may be short
+            yield pieces, None
+
+    def _bshd_groups(self, windows) -> Iterator[tuple[list[np.ndarray], Cursor | None]]:
+        group = []
+        for cursor, window in windows:
+            group.append(window)
+            if len(group) == self.cfg["micro_batch_size"]:
+                yield group, replace(cursor, offset=cursor.offset + len(window))
+                group = []
+        if group:
+            yield group, None
+
+    def __iter__(self):
+        windows = self._windows(self.cursor)
+        if self.cfg["input_format"] == "thd":
+            for pieces, cursor in self._thd_groups(windows):
+                self.cursor, self.batches = (
+                    cursor or self.cursor,
+                    self.batches + 1,
+                )  # state first: it counts this batch
+                yield collate_thd(pieces, self.labels)
+        else:
+            for group, cursor in self._bshd_groups(windows):
+                self.cursor, self.batches = cursor or self.cursor, self.batches + 1
+                yield collate_bshd(group, self.labels, self.pad_token_id)
+
+    def state_dict(self) -> dict[str, Any]:
+        return {"cursor": asdict(self.cursor), "batches": self.batches, "num_files": len(self.files)}
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        if state["num_files"] != len(self.files):
+            raise ValueError(
+                f"the data state was saved for {state['num_files']} file(s) on this rank, the dataset now has "
+                f"{len(self.files)}: the cursor would point elsewhere. Keep dataset.path unchanged to resume"
+            )
+        self.cursor, self.batches = Cursor(**state["cursor"]), int(state["batches"])
+
+
+# ------------------------------------------------------------------------------------------------ entry points
+
+
+def validate_data_config(data_cfg: Any) -> dict:
+    """The ``dataset`` config as a plain dict with defaults filled in; unknown keys and bad values are errors."""
+    cfg = dict(data_cfg)
+    unknown = sorted(set(cfg) - set(DEFAULTS))
+    if unknown:
+        raise ValueError(f"unknown dataset config keys {unknown}; known: {sorted(DEFAULTS)}")
+    cfg = {**DEFAULTS, **cfg}
+    if not cfg["path"]:
+        raise ValueError("dataset.path is required")
+    if cfg["format"] not in ("auto", *FORMATS):
+        raise ValueError(f"dataset.format must be auto, jsonl, fasta or parquet, got {cfg['format']!r}")
+    if cfg["input_format"] not in ("thd", "bshd"):
+        raise ValueError(f"dataset.input_format must be thd or bshd, got {cfg['input_format']!r}")
+    if cfg["max_seq_length"] < 2:
+        raise ValueError(f"dataset.max_seq_length must be at least 2, got {cfg['max_seq_length']}")
+    if not 0 <= cfg["window_overlap"] < cfg["max_seq_length"]:
+        raise ValueError(
+            f"dataset.window_overlap must be in [0, max_seq_length={cfg['max_seq_length']}), got {cfg['window_overlap']}"
+        )
+    if cfg["micro_batch_size"] < 1 or cfg["token_budget"] < 1:
+        raise ValueError("dataset.micro_batch_size and dataset.token_budget must be positive")
+    if cfg["input_format"] == "thd" and not cfg["split_samples"] and cfg["token_budget"] < cfg["max_seq_length"]:
+        raise ValueError("without split_samples, token_budget must hold a whole window (>= max_seq_length)")
+    if cfg["num_workers"] not in (0, 1):
+        raise ValueError("dataset.num_workers must be 0 or 1 (one stateful stream per rank)")
+    return cfg
+
+
+def create_dataloader(data_cfg: Any, tokenizer, dp_rank: int = 0, dp_world_size: int = 1, seed: int = 42):
+    """A ``StatefulDataLoader`` over this rank's endless stream; its ``state_dict()`` resumes it exactly."""
+    cfg = validate_data_config(data_cfg)
+    files = resolve_files(str(cfg["path"]), cfg["format"])
+    dataset = GenomicStream(files, tokenizer, cfg, dp_rank, dp_world_size, seed)
+    logger.info(
+        "Data: %d file(s) under %s; rank %d reads %s; windows of <= %d tokens overlapping by %d",
+        len(files),
+        cfg["path"],
+        dp_rank,
+        f"{len(dataset.files)} of them" if dataset.by_file else f"every {dp_world_size}-th record of each",
+        cfg["max_seq_length"],
+        cfg["window_overlap"],
+    )
+    return StatefulDataLoader(
+        dataset,
+        batch_size=None,
+        num_workers=cfg["num_workers"],
+        pin_memory=torch.cuda.is_available(),
+        persistent_workers=cfg["num_workers"] > 0,
+    )
+
+
+def validation_batches(
+    data_cfg: Any, tokenizer, path: str, dp_rank: int = 0, dp_world_size: int = 1, max_batches: int | None = None
+) -> Iterator[dict]:
+    """One pass, in file order, over this rank's part of ``path`` with the training windows and labels.
+
+    Windows are never split over two batches here (a split window's tail would lose its context and the score of its
+    first token), so every window is scored exactly as a model sees it alone.
+    """
+    cfg = {**dict(data_cfg), "path": path, "num_workers": 0, "split_samples": False}
+    cfg["token_budget"] = max(
+        cfg.get("token_budget", DEFAULTS["token_budget"]), cfg.get("max_seq_length", DEFAULTS["max_seq_length"])
+    )
+    cfg = validate_data_config(cfg)
+    stream = GenomicStream(
+        resolve_files(path, cfg["format"]), tokenizer, cfg, dp_rank, dp_world_size, 0, endless=False
+    )
+    return islice(iter(stream), max_batches)
