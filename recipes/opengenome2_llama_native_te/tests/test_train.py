@@ -1,0 +1,116 @@
+"""End-to-end runs of train_fsdp2.py on CPU, launched the way a user launches them (plain python, or torchrun with
+2 processes on gloo).
+
+References are independent of the code under test: the loss must fall below ln 4 ~ 1.39 nats (independent bases;
+lower needs context), an interrupted run must equal an uninterrupted one bit for bit, gradient accumulation must equal
+one larger batch, and the export must carry the weights and settings the run trained with.
+"""
+
+import json
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+from conftest import LOSS_THRESHOLD, read_jsonl, train
+from launch import run_script
+from safetensors.torch import load_file
+from transformers import AutoConfig, AutoModelForCausalLM
+
+
+def exported_weights(output_dir: Path) -> dict[str, torch.Tensor]:
+    return load_file(output_dir / "final_model" / "model.safetensors")
+
+
+def test_one_process_learns_validates_and_exports(l0_run):
+    metrics = read_jsonl(l0_run / "metrics.jsonl")
+    assert metrics[0]["loss"] > 3.0  # ln(256) ~ 5.5 at random init
+    assert metrics[-1]["step"] == 60 and metrics[-1]["loss"] < LOSS_THRESHOLD, metrics
+    validation = read_jsonl(l0_run / "validation.jsonl")
+    assert [v["step"] for v in validation] == [30, 60]
+    assert validation[-1]["val_loss"] < LOSS_THRESHOLD and validation[-1]["val_loss"] < validation[0]["val_loss"]
+    assert validation[-1]["val_perplexity"] == pytest.approx(np.exp(validation[-1]["val_loss"]))
+
+    # The export loads the way a user loads it, keeps the run's init settings and reproduces the checkpoint's weights.
+    export_dir = l0_run / "final_model"
+    config = AutoConfig.from_pretrained(export_dir, trust_remote_code=True, backend="torch")
+    assert (config.embedding_init_std, config.scale_output_projection_init, config.tie_word_embeddings) == (
+        1.0,
+        True,
+        False,
+    )
+    assert config.layer_precision is None and config.backend == "torch"
+    model = AutoModelForCausalLM.from_pretrained(export_dir, config=config, trust_remote_code=True).eval()
+    with torch.no_grad():
+        logits = model(torch.tensor([[1, *b"ACGTTGCAACGTAAGG"]])).logits
+    assert torch.isfinite(logits).all() and logits.shape == (1, 17, 256)
+    assert sorted(p.name for p in (l0_run / "checkpoints").iterdir()) == ["model_config", "step_30", "step_60"]
+
+
+def test_two_processes_learn(tmp_path):
+    metrics = train(tmp_path, "num_train_steps=60", "validation.every_n_steps=60", "export_final_model=false", nproc=2)
+    assert metrics[-1]["step"] == 60 and metrics[-1]["loss"] < LOSS_THRESHOLD, metrics
+    assert read_jsonl(tmp_path / "validation.jsonl")[0]["val_loss"] < LOSS_THRESHOLD
+
+
+def test_stop_and_go_matches_an_uninterrupted_run(tmp_path):
+    """2 processes, each with its own data cursor; packed batches split windows, so the resumed run starts mid-window.
+    4 steps + resume to 8 must give the losses, validation and weights of 8 uninterrupted steps."""
+    common = ["dataset.token_budget=300", "lr_scheduler_kwargs.num_warmup_steps=2", "logger.log_every=1"]
+    common += ["validation.every_n_steps=4", "validation.max_batches=2"]
+    straight = train(tmp_path / "straight", "num_train_steps=8", *common, nproc=2)
+    train(tmp_path / "resumed", "num_train_steps=4", "export_final_model=false", *common, nproc=2)
+    resumed = train(tmp_path / "resumed", "num_train_steps=8", *common, nproc=2)
+    assert [m["step"] for m in resumed] == list(range(1, 9))  # metrics.jsonl is appended to
+    assert [m["loss"] for m in resumed[4:]] == pytest.approx([m["loss"] for m in straight[4:]], rel=1e-6, abs=1e-7)
+    val = [read_jsonl(tmp_path / run / "validation.jsonl") for run in ("straight", "resumed")]
+    assert [v["val_loss"] for v in val[1]] == pytest.approx([v["val_loss"] for v in val[0]], rel=1e-6)
+    for key, value in exported_weights(tmp_path / "straight").items():
+        torch.testing.assert_close(exported_weights(tmp_path / "resumed")[key], value, rtol=1e-6, atol=1e-7)
+
+
+def test_grad_accumulation_equals_one_larger_batch(tmp_path):
+    """2 micro-batches of 2 windows == 1 micro-batch of 4 (BSHD; the windows differ in length and in masked N runs,
+    so the micro-batches score different numbers of tokens and a plain mean of their losses would differ)."""
+    common = ["dataset.input_format=bshd", "num_train_steps=2", "adamw_kwargs.eps=1e-3", "checkpoint.save_final=false"]
+    common += ["validation.path=null"]
+    train(tmp_path / "acc", *common, "dataset.micro_batch_size=2", "grad_acc_steps=2")
+    train(tmp_path / "big", *common, "dataset.micro_batch_size=4", "grad_acc_steps=1")
+    accumulated, single = exported_weights(tmp_path / "acc"), exported_weights(tmp_path / "big")
+    for key, value in single.items():
+        torch.testing.assert_close(accumulated[key], value, rtol=1e-5, atol=1e-6, msg=key)
+
+
+def test_unknown_config_key_fails(tmp_path):
+    result = run_script("train_fsdp2.py", f"output_dir={tmp_path}", "dataset.sequence_colum=x", expect_failure=True)
+    assert "sequence_colum" in result.stderr
+
+
+def test_missing_required_value_fails_by_name(tmp_path):
+    result = run_script(
+        "train_fsdp2.py", "--config-name", "og2_7b_thd_gqa", f"output_dir={tmp_path}", expect_failure=True
+    )
+    assert "dataset.path" in result.stderr
+
+
+def test_missing_data_fails_clearly(tmp_path):
+    result = run_script(
+        "train_fsdp2.py", f"output_dir={tmp_path}", "dataset.path=/no/such/shards", expect_failure=True
+    )
+    assert "dataset path '/no/such/shards' does not exist" in result.stderr
+
+
+def test_malformed_training_data_fails_with_file_and_line(tmp_path):
+    bad = tmp_path / "bad.jsonl"
+    bad.write_text(json.dumps({"text": "ACGT" * 50}) + "\n{oops\n")
+    result = run_script("train_fsdp2.py", f"output_dir={tmp_path}", f"dataset.path={bad}", expect_failure=True)
+    assert "bad.jsonl:2: not a JSON object" in result.stderr
+
+
+def test_an_error_in_validation_stops_the_run(tmp_path):
+    bad = tmp_path / "bad_valid.jsonl"
+    bad.write_text('{"sequence": "ACGT"}\n')
+    overrides = [f"validation.path={bad}", "validation.every_n_steps=1", "num_train_steps=3"]
+    result = run_script("train_fsdp2.py", f"output_dir={tmp_path}", *overrides, expect_failure=True)
+    assert "bad_valid.jsonl:1: no string under key 'text'" in result.stderr
+    assert not (tmp_path / "final_model").exists()

@@ -1,0 +1,133 @@
+"""Pre-train Llama 3 on OpenGenome2-style metagenomes with FSDP2, set up for convergence and stability.
+
+    python train_fsdp2.py                                          # one process (CPU or GPU): the L0 sanity config
+    torchrun --nproc_per_node=8 train_fsdp2.py --config-name og2_7b_thd_gqa dataset.path='/data/og2/train/*.jsonl.gz' \
+        validation.path=/data/og2/valid.jsonl.gz
+
+Reads top to bottom: mesh, model on the meta device, shard, initialise, optimizer (weight-decay groups), schedule,
+streaming data, resume, train (gradient accumulation, clipping, validation every N steps), export. Every key it reads is
+documented in hydra_config/defaults.yaml.
+"""
+
+import logging
+from pathlib import Path
+
+import hydra
+import torch
+from checkpoint import Checkpointer, export_final_model, gather_full_state_dict
+from collator import token_weights
+from dataset import create_dataloader
+from distributed import build_meshes, cleanup_distributed, move_to_device, setup_distributed
+from model_setup import build_model, config_name, load_model_config, mixed_precision_policy, pad_token_id, recipe_path
+from omegaconf import DictConfig, OmegaConf
+from optimizer import build_optimizer
+from perf_logger import ModelFlops, PerfLogger, Profiler
+from scheduler import get_linear_schedule_with_warmup
+from transformers import AutoTokenizer
+from validation import Validator
+
+
+logger = logging.getLogger(__name__)
+
+
+@hydra.main(config_path="hydra_config", config_name="L0_sanity", version_base="1.3")
+def main(cfg: DictConfig) -> None:
+    OmegaConf.to_container(cfg, resolve=True, throw_on_missing=True)  # a missing `???` value fails here, by name
+    dist_config, device = setup_distributed(require_process_group=True)
+    if not dist_config.is_main_process():
+        logging.getLogger().setLevel(logging.WARNING)
+    logger.info("Config:\n%s", OmegaConf.to_yaml(cfg))
+    meshes = build_meshes(dist_config, device)
+
+    # Model: built on the meta device, sharded layer by layer, then each rank initialises only its own shards (with the
+    # init switches of model_config_overrides: Spike-No-More embeddings, depth-scaled output projections).
+    tokenizer = AutoTokenizer.from_pretrained(recipe_path(cfg.tokenizer_path))
+    config, plan = load_model_config(cfg)
+    model = build_model(
+        config,
+        plan,
+        device,
+        meshes.fsdp,
+        mixed_precision_policy(cfg, device),
+        use_meta_device=cfg.fsdp.use_meta_device,
+        reshard_after_forward=cfg.fsdp.reshard_after_forward,
+        seed=cfg.seed,
+    )
+    model_flops = ModelFlops.from_model(model, config.num_hidden_layers, config.hidden_size)
+    logger.info("Model: %s backend, %.1fM parameters", model.backend, sum(p.numel() for p in model.parameters()) / 1e6)
+    logger.info("Per-layer precision: %s", config.layer_precision or "bf16 everywhere")
+    train_model = torch.compile(model) if cfg.use_torch_compile else model
+
+    # Optimizer with weight-decay groups, schedule, streaming data (each data-parallel rank reads its own part).
+    optimizer = build_optimizer(model, cfg.adamw_kwargs, cfg.embedding_weight_decay, fused=device.type == "cuda")
+    scheduler = get_linear_schedule_with_warmup(optimizer, **cfg.lr_scheduler_kwargs)
+    dataloader = create_dataloader(
+        cfg.dataset, tokenizer, dp_rank=meshes.dp_rank, dp_world_size=meshes.dp_size, seed=cfg.seed
+    )
+    validator = Validator(
+        cfg.validation, cfg.dataset, tokenizer, meshes.dp_rank, meshes.dp_size, device, cfg.output_dir, cfg.wandb.mode
+    )
+
+    # Resume from the newest complete checkpoint (sharded model/optimizer, schedule, data cursor, RNG streams). The
+    # model config goes beside the checkpoints, so scripts/evaluate_fasta_lm_loss.py can rebuild the model from one.
+    checkpointer = Checkpointer(
+        cfg.checkpoint.ckpt_dir,
+        "fsdp2",
+        async_save=cfg.checkpoint.async_save,
+        max_checkpoints=cfg.checkpoint.max_checkpoints,
+    )
+    if dist_config.is_main_process():
+        config.save_pretrained(Path(cfg.checkpoint.ckpt_dir) / "model_config")
+    start_step = 0
+    if cfg.checkpoint.resume:
+        start_step = checkpointer.load_latest(model, optimizer, scheduler, dataloader)
+    with torch.random.fork_rng(devices=[]):  # making the iterator draws from the RNG; keep resumed runs identical
+        batches = iter(dataloader)
+
+    perf = PerfLogger(cfg, model_flops, pad_token_id(tokenizer), start_step, config_name=config_name())
+    profiler = Profiler(cfg.profiler, cfg.output_dir)
+    train_model.train()
+    step = start_step
+    for step in range(start_step + 1, cfg.num_train_steps + 1):
+        with profiler.step_context(step):
+            step_loss = torch.zeros((), device=device)
+            # Weight each micro-batch by its share of the step's scored tokens: k micro-batches then give the
+            # gradient of one batch holding all of them, however the degenerate-base masking falls.
+            micro_batches = [next(batches) for _ in range(cfg.grad_acc_steps)]
+            weights = token_weights(micro_batches)
+            for micro_step, batch in enumerate(micro_batches):
+                batch = move_to_device(batch, device)
+                perf.count_batch(batch)
+                # Reduce-scatter gradients only after the last micro-batch; earlier ones accumulate unsharded.
+                model.set_requires_gradient_sync(micro_step == cfg.grad_acc_steps - 1)
+                loss = train_model(**batch).loss * weights[micro_step]
+                loss.backward()
+                step_loss += loss.detach()
+
+            grad_norm = torch.nn.utils.clip_grad_norm_(model.parameters(), cfg.max_grad_norm)
+            lr = scheduler.get_last_lr()[0]
+            optimizer.step()
+            scheduler.step()
+            optimizer.zero_grad(set_to_none=True)
+
+        perf.log_step(step, step_loss, grad_norm, lr)
+        if validator.due(step):
+            validator.run(train_model, step)
+        checkpointer.poll()  # finalise a finished background save without waiting for one
+        if cfg.checkpoint.save_every and step % cfg.checkpoint.save_every == 0:
+            checkpointer.save(step, model, optimizer, scheduler, dataloader)
+
+    if cfg.checkpoint.save_final and step > start_step:
+        checkpointer.save(step, model, optimizer, scheduler, dataloader)
+    perf.finish()
+
+    # Export a Hugging Face directory: gather the full weights (collective), written by rank 0.
+    if cfg.export_final_model:
+        full_state_dict = gather_full_state_dict(model, "fsdp2")
+        export_final_model(model, full_state_dict, Path(cfg.output_dir) / "final_model", tokenizer)
+    checkpointer.close()  # an asynchronous save must land before the process exits
+    cleanup_distributed()
+
+
+if __name__ == "__main__":
+    main()
