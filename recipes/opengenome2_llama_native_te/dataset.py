@@ -384,9 +384,10 @@ def validation_batches(
     """One pass, in file order, over this rank's part of ``path`` with the training windows and labels.
 
     Windows are never split over two batches here (a split window's tail would lose its context and the score of its
-    first token), so every window is scored exactly as a model sees it alone.
+    first token), so every window is scored exactly as a model sees it alone. The format comes from the file names:
+    a held-out JSONL file may well sit beside Parquet training shards.
     """
-    cfg = {**dict(data_cfg), "path": path, "num_workers": 0, "split_samples": False}
+    cfg = {**dict(data_cfg), "path": path, "format": "auto", "num_workers": 0, "split_samples": False}
     cfg["token_budget"] = max(
         cfg.get("token_budget", DEFAULTS["token_budget"]), cfg.get("max_seq_length", DEFAULTS["max_seq_length"])
     )

@@ -61,6 +61,10 @@ def test_og2_configs_ask_for_their_data(name):
     assert (cfg.dataset.max_seq_length, cfg.dataset.window_overlap, cfg.dataset.input_format) == (8192, 200, "thd")
 
 
+def test_global_shuffle_reads_parquet_shards():
+    assert compose_config("og2_7b_thd_gqa_global_shuffle").dataset.format == "parquet"
+
+
 def test_l0_sanity_is_complete_and_uses_shipped_data():
     cfg = compose_config("L0_sanity")
     OmegaConf.to_container(cfg, resolve=False, throw_on_missing=True)

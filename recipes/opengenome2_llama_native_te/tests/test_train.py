@@ -7,13 +7,14 @@ one larger batch, and the export must carry the weights and settings the run tra
 """
 
 import json
+import sys
 from pathlib import Path
 
 import numpy as np
 import pytest
 import torch
 from conftest import LOSS_THRESHOLD, read_jsonl, train
-from launch import run_script
+from launch import RECIPE_DIR, run_script
 from safetensors.torch import load_file
 from transformers import AutoConfig, AutoModelForCausalLM
 
@@ -67,6 +68,20 @@ def test_stop_and_go_matches_an_uninterrupted_run(tmp_path):
     assert [v["val_loss"] for v in val[1]] == pytest.approx([v["val_loss"] for v in val[0]], rel=1e-6)
     for key, value in exported_weights(tmp_path / "straight").items():
         torch.testing.assert_close(exported_weights(tmp_path / "resumed")[key], value, rtol=1e-6, atol=1e-7)
+
+
+def test_trains_on_globally_shuffled_parquet_shards(tmp_path):
+    """The og2_*_global_shuffle path on the shipped data: reshard (chunked) to Parquet, then train from the shards."""
+    sys.path.insert(0, str(RECIPE_DIR / "scripts"))
+    from reshard_to_parquet import reshard
+
+    inputs = [str(RECIPE_DIR / "data" / "sanity_train_*.jsonl.gz")]
+    reshard(
+        inputs, tmp_path / "shards", rows_per_shard=200, seed=3, chunk_length=254, chunk_overlap=16, progress=False
+    )
+    overrides = [f"dataset.path={tmp_path / 'shards'}", "dataset.format=parquet", "num_train_steps=40"]
+    metrics = train(tmp_path / "run", *overrides, "validation.every_n_steps=40", "export_final_model=false")
+    assert metrics[-1]["loss"] < LOSS_THRESHOLD, metrics
 
 
 def test_grad_accumulation_equals_one_larger_batch(tmp_path):
