@@ -1,33 +1,11 @@
 """Fixtures shared by the recipe's tests: the tokenizer, and one short L0 training run several test files inspect."""
 
-import json
 from pathlib import Path
 
 import pytest
-from launch import RECIPE_DIR, run_script
+from launch import RECIPE_DIR
+from training import train
 from transformers import AutoTokenizer
-
-
-# L0_sanity made quicker for tests: shorter windows and packs, fewer steps. The loss still has to pass ln 4.
-FAST = [
-    "dataset.max_seq_length=256",
-    "dataset.window_overlap=16",
-    "dataset.token_budget=512",
-    "lr_scheduler_kwargs.num_decay_steps=50",
-    "validation.max_batches=4",
-    "logger.log_every=10",
-]
-LOSS_THRESHOLD = 1.0  # ln 4 = 1.386 for independent bases; the chain's entropy rate is ~0.48
-
-
-def train(output_dir: Path, *overrides: str, nproc: int | None = None, **kwargs) -> list[dict]:
-    """Run train_fsdp2.py like a user (torchrun for nproc, else plain python) and return metrics.jsonl."""
-    run_script("train_fsdp2.py", f"output_dir={output_dir}", *FAST, *overrides, nproc=nproc, **kwargs)
-    return read_jsonl(output_dir / "metrics.jsonl")
-
-
-def read_jsonl(path: Path) -> list[dict]:
-    return [json.loads(line) for line in path.read_text().splitlines()]
 
 
 @pytest.fixture(scope="session")

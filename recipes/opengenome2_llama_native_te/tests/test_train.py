@@ -13,9 +13,9 @@ from pathlib import Path
 import numpy as np
 import pytest
 import torch
-from conftest import LOSS_THRESHOLD, read_jsonl, train
 from launch import RECIPE_DIR, run_script
 from safetensors.torch import load_file
+from training import LOSS_THRESHOLD, read_jsonl, train
 from transformers import AutoConfig, AutoModelForCausalLM
 
 
