@@ -1,8 +1,9 @@
 """Write the recipe's tiny synthetic DNA data in OpenGenome2's layout (deterministic; about 60 KB in all).
 
-One order-2 Markov chain generates every sequence: each 2-base context has one preferred next base (probability
-0.85, the others 0.05 each). Its entropy rate is -(0.85 ln 0.85 + 3 * 0.05 ln 0.05) ~ 0.59 nats per base, far below
-ln 4 ~ 1.39 for independent bases, so a loss below ~1.2 nats means the model uses context. Lengths vary from 200 to
+One order-2 Markov chain generates every sequence: each 2-base context has a preferred next base, drawn with
+probability 0.85, else a uniformly random base (which may be the preferred one again). So the preferred base has
+probability 0.8875 and each other one 0.0375, an entropy rate of -(0.8875 ln 0.8875 + 3 * 0.0375 ln 0.0375) ~ 0.475
+nats per base, far below ln 4 ~ 1.39 for independent bases: a loss below ~1.2 nats means the model uses context. Lengths vary from 200 to
 3,000 bases, so the L0 windows (512 tokens) cut many sequences into several windows and leave others whole. About
 half the sequences hold a soft-masked (lowercase) stretch and some hold runs of N, which the collator keeps out of the
 loss.
