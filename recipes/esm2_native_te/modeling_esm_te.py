@@ -25,6 +25,7 @@ import math
 import torch
 import torch.nn.functional as F
 from torch import nn
+from torch.distributed.tensor import DTensor
 from transformers import EsmConfig, PreTrainedModel
 from transformers.modeling_outputs import BaseModelOutput, MaskedLMOutput, TokenClassifierOutput
 
@@ -241,6 +242,23 @@ def _is_backend_layer(module: nn.Module) -> bool:
     )
 
 
+@contextlib.contextmanager
+def _rank_local_cpu_rng(model: nn.Module, device):
+    """While initialising FSDP2-sharded weights on CPU, let every rank draw from its own stream (seed + rank).
+
+    On CUDA, DTensor's offset-based RNG gives each shard its own part of one global random stream. On CPU meshes
+    it does not, so ranks seeded alike (as training scripts seed them) would fill every shard with the same numbers.
+    The global generator is restored afterwards.
+    """
+    sharded = any(isinstance(p, DTensor) and p.device_mesh.size() > 1 for p in model.parameters())
+    if torch.device(device).type != "cpu" or not sharded:
+        yield
+        return
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(torch.initial_seed() + torch.distributed.get_rank())
+        yield
+
+
 class NVEsmPreTrainedModel(PreTrainedModel):
     config_class = NVEsmConfig
     config: NVEsmConfig
@@ -277,8 +295,9 @@ class NVEsmPreTrainedModel(PreTrainedModel):
         if device is None:
             device = torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available() else "cpu"
         self.to_empty(device=device)
-        for module in self.modules():
-            self._init_weights(module)
+        with _rank_local_cpu_rng(self, device):
+            for module in self.modules():
+                self._init_weights(module)
         if self.config.tie_word_embeddings:
             self.tie_weights()
 

@@ -92,9 +92,8 @@ def build_model(
 ) -> NVLlamaForCausalLM:
     """Build, shard (each layer, then the root: embeddings, final norm, LM head) and initialise the model.
 
-    On the meta device nothing is allocated until ``init_empty_weights`` fills each rank's shards. Each rank seeds its
-    own stream for that (``seed + rank``): on CPU meshes DTensor draws from the local generator, and equal seeds would
-    give every shard the same numbers, a weight made of repeated blocks.
+    On the meta device nothing is allocated until ``init_empty_weights`` fills each rank's shards (on CPU meshes the
+    model gives every rank its own random stream for that, so shards never repeat each other).
     """
     torch.manual_seed(seed)
     with torch.device("meta" if use_meta_device else device):
@@ -103,10 +102,7 @@ def build_model(
         fully_shard(layer, mesh=mesh, mp_policy=mp_policy, reshard_after_forward=reshard_after_forward)
     fully_shard(model, mesh=mesh, mp_policy=mp_policy, reshard_after_forward=reshard_after_forward)
     if use_meta_device:
-        # The per-rank seed stays local to the init: afterwards every rank's generators are as before.
-        with torch.random.fork_rng(devices=[device] if device.type == "cuda" else []):
-            torch.manual_seed(seed + mesh.get_local_rank())
-            model.init_empty_weights(device)
+        model.init_empty_weights(device)
     return model
 
 

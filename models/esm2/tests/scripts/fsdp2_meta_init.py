@@ -21,6 +21,7 @@ def main(backend: str) -> None:
     config = NVEsmConfig(
         num_hidden_layers=2, hidden_size=256, num_attention_heads=4, intermediate_size=512, backend=backend
     )
+    torch.manual_seed(0)  # the same seed everywhere, as a training script sets it
     with torch.device("meta"):
         model = NVEsmForMaskedLM(config)
     # An explicit mesh: FSDP2's default mesh is on CUDA whenever a GPU exists, even for CPU (gloo) processes.
@@ -42,6 +43,9 @@ def main(backend: str) -> None:
             assert abs(full.std().item() - std) < 0.1 * std, (name, full.std().item())
             # Every shard was initialised: no rank left uninitialised (zero or garbage) rows behind.
             assert torch.count_nonzero(full.abs().sum(-1) == 0) == 0, name
+            # Every rank drew its own numbers: no shard repeats another (all ranks seeded alike, as the recipes do).
+            shards = full.chunk(dist.get_world_size())
+            assert not torch.equal(shards[0], shards[-1]), f"{name}: identical shards on different ranks"
 
     ids = torch.randint(4, 24, (2, 32), device=device)
     loss = model(ids, attention_mask=torch.ones_like(ids), labels=ids).loss
