@@ -12,17 +12,13 @@ two genomic twists:
 Packing (THD) concatenates windows into exactly ``token_budget`` tokens: a window that does not fit is split, its
 head ends this batch and its tail starts the next one (as its own sequence, so attention never crosses).
 
-Context parallelism (``cp_size > 1``, THD): every piece is padded to a multiple of ``2 * cp_size``; targets are
-shifted to the next token *before* the batch is split (``shift_labels``), because a CP rank's next token may live
-on another rank; :func:`shard_for_context_parallel` then keeps rank r's chunks r and ``2 * cp_size - 1 - r`` of every
-piece (TransformerEngine's load-balanced layout for causal attention).
+Context-parallel batches are built from the THD batches made here, in ``context_parallel.py``.
 """
 
 from collections.abc import Iterable, Iterator
 
 import numpy as np
 import torch
-from torch_layers import context_parallel_positions
 
 
 IGNORE_INDEX = -100
@@ -89,13 +85,8 @@ def collate_bshd(windows: list[np.ndarray], labels: LabelMaker, pad_token_id: in
     }
 
 
-def collate_thd(pieces: list[np.ndarray], labels: LabelMaker, cp_size: int = 1, pad_token_id: int = 0) -> dict:
-    """Concatenate ``pieces`` into one packed row [1, tokens] with Hugging Face's flash-attention argument names.
-
-    With ``cp_size > 1`` the row is the full context-parallel batch (see the module docstring); shard it per rank.
-    """
-    if cp_size > 1:
-        return _collate_thd_context_parallel(pieces, labels, cp_size, pad_token_id)
+def collate_thd(pieces: list[np.ndarray], labels: LabelMaker) -> dict:
+    """Concatenate ``pieces`` into one packed row [1, tokens] with Hugging Face's flash-attention argument names."""
     lengths = np.array([len(p) for p in pieces], dtype=np.int64)
     input_ids = np.concatenate(pieces).astype(np.int64)
     cu = torch.from_numpy(np.concatenate([[0], np.cumsum(lengths)]).astype(np.int32))
@@ -108,45 +99,6 @@ def collate_thd(pieces: list[np.ndarray], labels: LabelMaker, cp_size: int = 1, 
         "max_length_q": longest,
         "max_length_k": longest,
     }
-
-
-def _collate_thd_context_parallel(pieces: list[np.ndarray], labels: LabelMaker, cp_size: int, pad_token_id: int):
-    multiple = 2 * cp_size
-    padded_lengths = [-(-len(piece) // multiple) * multiple for piece in pieces]
-    input_ids = np.full(sum(padded_lengths), pad_token_id, dtype=np.int64)
-    shift_labels = np.full(sum(padded_lengths), IGNORE_INDEX, dtype=np.int64)
-    start = 0
-    for piece, padded in zip(pieces, padded_lengths):
-        input_ids[start : start + len(piece)] = piece
-        # Token i of a piece is scored on label i + 1 of the same piece; its last token has no target here.
-        shift_labels[start : start + len(piece) - 1] = labels(piece.astype(np.int64))[1:]
-        start += padded
-    # The padded boundaries serve as the real ones too: causal attention never lets a real token see the padding
-    # after it, and TE leaves rows it is told to skip unwritten (see the model's _pack_context_parallel).
-    cu = torch.from_numpy(np.concatenate([[0], np.cumsum(padded_lengths)]).astype(np.int32))
-    longest = max(padded_lengths)
-    return {
-        "input_ids": torch.from_numpy(input_ids)[None],
-        "shift_labels": torch.from_numpy(shift_labels)[None],
-        "cu_seq_lens_q": cu,
-        "cu_seq_lens_k": cu.clone(),
-        "cu_seq_lens_q_padded": cu.clone(),
-        "cu_seq_lens_k_padded": cu.clone(),
-        "max_length_q": longest,
-        "max_length_k": longest,
-    }
-
-
-def shard_for_context_parallel(batch: dict, cp_rank: int, cp_size: int) -> dict:
-    """CP rank ``cp_rank``'s part of a full context-parallel THD batch (per-token tensors cut, boundaries kept)."""
-    if "cu_seq_lens_q_padded" not in batch:
-        raise ValueError("not a context-parallel batch (no cu_seq_lens_q_padded): build it with cp_size > 1")
-    if not 0 <= cp_rank < cp_size:
-        raise ValueError(f"cp_rank {cp_rank} is outside [0, {cp_size})")
-    cu = batch["cu_seq_lens_q_padded"]
-    local_lengths = (cu[1:] - cu[:-1]) // cp_size
-    rows = torch.repeat_interleave(cu[:-1].long(), local_lengths) + context_parallel_positions(cu, cp_size, cp_rank)
-    return {key: value[:, rows] if key in ("input_ids", "shift_labels") else value for key, value in batch.items()}
 
 
 def pack_windows(

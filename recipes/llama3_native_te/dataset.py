@@ -28,6 +28,7 @@ import numpy as np
 import pyarrow.parquet as pq
 import torch
 from collator import LabelMaker, collate_bshd, collate_thd, pack_windows, window_starts
+from context_parallel import context_parallel_batch
 from torchdata.stateful_dataloader import StatefulDataLoader
 
 
@@ -196,11 +197,15 @@ class GenomicBatches(torch.utils.data.IterableDataset):
         windows = self._window_stream()
         if self.cfg["input_format"] == "thd":
             for pieces in pack_windows(windows, self.cfg["token_budget"], self.cfg["split_samples"]):
-                yield lambda pieces=pieces: collate_thd(pieces, self.labels, self.cp_size, self.pad_token_id)
+                yield lambda pieces=pieces: self._thd_batch(pieces)
         else:
             while True:
                 group = [next(windows) for _ in range(self.cfg["micro_batch_size"])]
                 yield lambda group=group: collate_bshd(group, self.labels, self.pad_token_id)
+
+    def _thd_batch(self, pieces: list[np.ndarray]) -> dict:
+        batch = collate_thd(pieces, self.labels)
+        return batch if self.cp_size == 1 else context_parallel_batch(batch, self.cp_size, self.pad_token_id)
 
     def __iter__(self):
         skip = self.batches_done

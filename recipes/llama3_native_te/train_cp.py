@@ -17,7 +17,8 @@ import hydra
 import torch
 import torch.distributed as dist
 from checkpoint import Checkpointer, export_final_model, gather_full_state_dict
-from collator import shard_for_context_parallel, token_weights
+from collator import token_weights
+from context_parallel import shard_for_context_parallel
 from dataset import create_dataloader
 from distributed import build_meshes, cleanup_distributed, move_to_device, setup_distributed
 from model_setup import config_name, load_model_config, pad_token_id, recipe_path

@@ -10,10 +10,10 @@ from collator import (
     collate_thd,
     count_targets,
     pack_windows,
-    shard_for_context_parallel,
     token_weights,
     window_starts,
 )
+from context_parallel import context_parallel_batch, shard_for_context_parallel
 from model_setup import recipe_path
 from transformers import AutoTokenizer
 
@@ -115,7 +115,7 @@ def test_context_parallel_batch_by_hand(tokenizer):
     labels = LabelMaker(tokenizer)
     first = np.array([1, *ids(tokenizer, "ACnT")])  # <bos> A C n T (n: degenerate, never a target)
     second = ids(tokenizer, "gta")  # the tail of a split window: no <bos>; lowercase predicted as uppercase
-    batch = collate_thd([first, second], labels, cp_size=2, pad_token_id=0)
+    batch = context_parallel_batch(collate_thd([first, second], labels), cp_size=2, pad_token_id=0)
     A, C, G, T = (tokenizer.convert_tokens_to_ids(b) for b in "ACGT")
     n, g, t, a = (tokenizer.convert_tokens_to_ids(b) for b in "ngta")
     assert batch["input_ids"][0].tolist() == [1, A, C, n, T, 0, 0, 0, g, t, a, 0]
@@ -133,3 +133,5 @@ def test_context_parallel_batch_by_hand(tokenizer):
     assert shards[0]["cu_seq_lens_q_padded"].tolist() == [0, 8, 12]  # boundaries stay global
     with pytest.raises(ValueError, match="not a context-parallel batch"):
         shard_for_context_parallel(collate_thd([first], labels), 0, 2)
+    with pytest.raises(ValueError, match="THD batches with labels"):
+        context_parallel_batch(collate_bshd([first], labels, 0), 2, 0)
