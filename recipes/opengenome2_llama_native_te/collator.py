@@ -116,6 +116,8 @@ def collate_bshd(windows: list[np.ndarray], labels: LabelMaker, pad_token_id: in
 def count_targets(batch: dict) -> int:
     """Tokens the model scores in ``batch``: labelled tokens that are not the first of their sequence (token i is
     predicted from the tokens before it, so a sequence's first label is never used)."""
+    if "shift_labels" in batch:  # context-parallel batch: targets already shifted, -100 where nothing is scored
+        return int((batch["shift_labels"] != IGNORE_INDEX).sum())
     labels = batch["labels"]
     if "cu_seq_lens_q" in batch:  # THD: one row, sequences start at cu_seq_lens_q[:-1]
         scored = labels[0] != IGNORE_INDEX

@@ -33,6 +33,7 @@ import numpy as np
 import pyarrow.parquet as pq
 import torch
 from collator import LabelMaker, collate_bshd, collate_thd, sequence_windows
+from context_parallel import context_parallel_batch
 from torchdata.stateful_dataloader import StatefulDataLoader
 
 
@@ -205,8 +206,10 @@ class Cursor:
 class GenomicStream(torch.utils.data.IterableDataset):
     """Batches for one data-parallel rank: endless and resumable for training, or one ordered pass (validation)."""
 
-    def __init__(self, files, tokenizer, cfg: dict, dp_rank: int, dp_world_size: int, seed: int, endless=True):
-        self.cfg, self.seed, self.endless = cfg, seed, endless
+    def __init__(
+        self, files, tokenizer, cfg: dict, dp_rank: int, dp_world_size: int, seed: int, endless=True, cp_size: int = 1
+    ):
+        self.cfg, self.seed, self.endless, self.cp_size = cfg, seed, endless, cp_size
         self.dp_rank, self.dp_world_size = dp_rank, dp_world_size
         self.by_file = len(files) >= dp_world_size
         self.files = list(files[dp_rank::dp_world_size]) if self.by_file else list(files)
@@ -306,7 +309,8 @@ class GenomicStream(torch.utils.data.IterableDataset):
                     cursor or self.cursor,
                     self.batches + 1,
                 )  # state first: it counts this batch
-                yield collate_thd(pieces, self.labels)
+                batch = collate_thd(pieces, self.labels)
+                yield batch if self.cp_size == 1 else context_parallel_batch(batch, self.cp_size, self.pad_token_id)
         else:
             for group, cursor in self._bshd_groups(windows):
                 self.cursor, self.batches = cursor or self.cursor, self.batches + 1
@@ -355,11 +359,19 @@ def validate_data_config(data_cfg: Any) -> dict:
     return cfg
 
 
-def create_dataloader(data_cfg: Any, tokenizer, dp_rank: int = 0, dp_world_size: int = 1, seed: int = 42):
-    """A ``StatefulDataLoader`` over this rank's endless stream; its ``state_dict()`` resumes it exactly."""
+def create_dataloader(
+    data_cfg: Any, tokenizer, dp_rank: int = 0, dp_world_size: int = 1, seed: int = 42, cp_size: int = 1
+):
+    """A ``StatefulDataLoader`` over this rank's endless stream; its ``state_dict()`` resumes it exactly.
+
+    With ``cp_size > 1`` it yields full context-parallel batches (``context_parallel.py``); the ranks of a CP group
+    read the same ones (same ``dp_rank``) and each keeps its own shard.
+    """
     cfg = validate_data_config(data_cfg)
+    if cp_size > 1 and cfg["input_format"] != "thd":
+        raise ValueError(f"context parallelism (cp_size={cp_size}) needs dataset.input_format=thd")
     files = resolve_files(str(cfg["path"]), cfg["format"])
-    dataset = GenomicStream(files, tokenizer, cfg, dp_rank, dp_world_size, seed)
+    dataset = GenomicStream(files, tokenizer, cfg, dp_rank, dp_world_size, seed, cp_size=cp_size)
     logger.info(
         "Data: %d file(s) under %s; rank %d reads %s; windows of <= %d tokens overlapping by %d",
         len(files),

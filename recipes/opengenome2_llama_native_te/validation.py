@@ -6,7 +6,8 @@ scored, soft-masked bases are scored as uppercase). The same batches are used ev
 model changing, not the sample.
 
 Every rank runs the same number of forward passes, because under FSDP2 each forward gathers weights collectively: a
-rank with fewer batches repeats one with weight 0. Nothing here catches exceptions: a validation file that cannot be
+rank with fewer batches repeats one with weight 0. Under context parallelism the ranks of a CP group read the same
+batches, each runs its shard, and the group's first rank counts the result. Nothing here catches exceptions: a validation file that cannot be
 read stops the run at the first evaluation, instead of producing a training curve with silent holes.
 """
 
@@ -18,8 +19,10 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 from collator import count_targets
+from context_parallel import context_parallel_batch, shard_for_context_parallel
 from dataset import validation_batches
 from distributed import move_to_device
+from model_setup import pad_token_id
 
 
 logger = logging.getLogger(__name__)
@@ -36,9 +39,22 @@ class Validator:
     Args:
         val_cfg: the ``validation`` config group (``path``, ``every_n_steps``, ``max_batches``).
         data_cfg: the ``dataset`` group; its windowing and label settings apply to the validation file too.
+        cp_size, cp_rank: context parallelism (train_cp.py): this rank's place in its CP group.
     """
 
-    def __init__(self, val_cfg, data_cfg, tokenizer, dp_rank: int, dp_world_size: int, device, output_dir, wandb_mode):
+    def __init__(
+        self,
+        val_cfg,
+        data_cfg,
+        tokenizer,
+        dp_rank: int,
+        dp_world_size: int,
+        device,
+        output_dir,
+        wandb_mode,
+        cp_size: int = 1,
+        cp_rank: int = 0,
+    ):
         self.path = val_cfg.path
         self.every_n_steps = int(val_cfg.every_n_steps)
         self.max_batches = val_cfg.max_batches
@@ -46,6 +62,7 @@ class Validator:
         self.dp_rank, self.dp_world_size, self.device = dp_rank, dp_world_size, device
         self.output_file = Path(output_dir) / "validation.jsonl"
         self.wandb_mode = wandb_mode
+        self.cp_size, self.cp_rank = cp_size, cp_rank
         if self.path is not None and self.every_n_steps < 1:
             raise ValueError(
                 f"validation.every_n_steps must be >= 1 when validation.path is set, got {self.every_n_steps}"
@@ -86,8 +103,14 @@ class Validator:
         for index in range(int(passes)):
             real = index < len(batches)
             batch = batches[index] if real else (batches[-1] if batches else self._placeholder_batch())
-            loss = model(**move_to_device(batch, self.device)).loss
-            if real:
+            if self.cp_size > 1:
+                batch = context_parallel_batch(batch, self.cp_size, pad_token_id(self.tokenizer))
+                loss = model(
+                    **move_to_device(shard_for_context_parallel(batch, self.cp_rank, self.cp_size), self.device)
+                ).loss
+            else:
+                loss = model(**move_to_device(batch, self.device)).loss
+            if real and self.cp_rank == 0:  # the loss is the CP group's mean: count it once per group
                 scored = count_targets(batch)
                 totals += torch.stack([loss.double() * scored, torch.tensor(scored, device=self.device).double()])
         if dist.is_initialized():

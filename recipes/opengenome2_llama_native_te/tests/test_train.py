@@ -98,6 +98,48 @@ def test_grad_accumulation_equals_one_larger_batch(tmp_path):
         torch.testing.assert_close(accumulated[key], value, rtol=1e-5, atol=1e-6, msg=key)
 
 
+def test_context_parallel_run_equals_a_one_process_run(tmp_path):
+    """train_cp.py with cp_size=2 on 2 processes (torch backend, dp=1) reads the same windows as train_fsdp2.py in one
+    process; context parallelism must not change the arithmetic: per-step losses, gradient norms, the validation
+    loss and the final weights agree. Weights are built before sharding (no meta device), so both start alike."""
+    common = [
+        "num_train_steps=6",
+        "logger.log_every=1",
+        "lr_scheduler_kwargs.num_warmup_steps=2",
+        "validation.every_n_steps=6",
+        "fsdp.use_meta_device=false",
+        "dataset.token_budget=700",  # windows split over batches, pieces of uneven length (CP pads each to 4k)
+        "+model_config_overrides.backend=torch",
+    ]
+    single = train(tmp_path / "single", *common)
+    cp = train(tmp_path / "cp", *common, "cp_size=2", nproc=2, script="train_cp.py")
+    assert [m["loss"] for m in cp] == pytest.approx([m["loss"] for m in single], rel=1e-4)
+    assert [m["grad_norm"] for m in cp] == pytest.approx([m["grad_norm"] for m in single], rel=1e-3)
+    single_val, cp_val = (read_jsonl(tmp_path / run / "validation.jsonl")[0] for run in ("single", "cp"))
+    assert cp_val["val_tokens"] == single_val["val_tokens"]
+    assert cp_val["val_loss"] == pytest.approx(single_val["val_loss"], rel=1e-4)
+    for key, value in exported_weights(tmp_path / "single").items():
+        torch.testing.assert_close(exported_weights(tmp_path / "cp")[key], value, rtol=1e-3, atol=1e-5)
+
+
+def test_context_parallel_learns(tmp_path):
+    metrics = train(
+        tmp_path, "num_train_steps=60", "validation.every_n_steps=60", nproc=2, script="train_cp.py"
+    )  # L0_sanity_cp: cp_size=2
+    assert metrics[-1]["loss"] < LOSS_THRESHOLD, metrics[-1]
+    assert read_jsonl(tmp_path / "validation.jsonl")[0]["val_loss"] < LOSS_THRESHOLD
+    assert (tmp_path / "final_model" / "model.safetensors").is_file()
+
+
+def test_train_cp_refuses_cp_size_one_and_bshd(tmp_path):
+    result = run_script("train_cp.py", f"output_dir={tmp_path}", "cp_size=1", expect_failure=True)
+    assert "cp_size >= 2" in result.stderr
+    result = run_script(
+        "train_cp.py", f"output_dir={tmp_path}", "dataset.input_format=bshd", nproc=2, expect_failure=True
+    )
+    assert "needs dataset.input_format=thd" in result.stderr
+
+
 def test_unknown_config_key_fails(tmp_path):
     result = run_script("train_fsdp2.py", f"output_dir={tmp_path}", "dataset.sequence_colum=x", expect_failure=True)
     assert "sequence_colum" in result.stderr

@@ -1,4 +1,4 @@
-"""train_fsdp2.py and the evaluation script on GPUs with the TransformerEngine backend (skipped without them).
+"""train_fsdp2.py, train_cp.py and the evaluation script on GPUs with the TransformerEngine backend (skipped without them).
 
 NOT YET RUN: written without GPU access; the first GPU run may need fixes. The references are those of the CPU tests:
 the loss must fall below ln 4 (which needs context), the export must load and score like the trained model, and the
@@ -87,3 +87,14 @@ def test_two_gpus_stop_and_go_matches_an_uninterrupted_run(tmp_path):
     train(tmp_path / "resumed", "num_train_steps=4", "export_final_model=false", *common, nproc=2, cpu_only=False)
     resumed = train(tmp_path / "resumed", "num_train_steps=8", *common, nproc=2, cpu_only=False)
     assert [m["loss"] for m in resumed[4:]] == pytest.approx([m["loss"] for m in straight[4:]], rel=1e-3)
+
+
+@pytest.mark.requires_multi_gpu
+@pytest.mark.requires_te
+def test_two_gpus_context_parallel_learns(tmp_path):
+    """TE ring attention, cp_size=2 (the CPU twin of this test proves CP = one process numerically)."""
+    metrics = train(
+        tmp_path, *GPU_STEPS, "+model_config_overrides.backend=te", nproc=2, script="train_cp.py", cpu_only=False
+    )
+    assert metrics[-1]["loss"] < LOSS_THRESHOLD, [round(m["loss"], 3) for m in metrics]
+    assert read_jsonl(tmp_path / "validation.jsonl")[-1]["val_loss"] < LOSS_THRESHOLD

@@ -1,4 +1,4 @@
-"""Helpers for the tests that run train_fsdp2.py: quick settings, the run itself, and reading what it wrote."""
+"""Helpers for the tests that run the training scripts: quick settings, the run itself, and reading what it wrote."""
 
 import json
 from pathlib import Path
@@ -18,9 +18,11 @@ FAST = [
 LOSS_THRESHOLD = 1.0  # ln 4 = 1.386 for independent bases; the chain's entropy rate is ~0.48
 
 
-def train(output_dir: Path, *overrides: str, nproc: int | None = None, **kwargs) -> list[dict]:
-    """Run train_fsdp2.py like a user (torchrun for nproc, else plain python) and return metrics.jsonl."""
-    run_script("train_fsdp2.py", f"output_dir={output_dir}", *FAST, *overrides, nproc=nproc, **kwargs)
+def train(
+    output_dir: Path, *overrides: str, nproc: int | None = None, script: str = "train_fsdp2.py", **kwargs
+) -> list[dict]:
+    """Run a training script like a user (torchrun for nproc, else plain python) and return metrics.jsonl."""
+    run_script(script, f"output_dir={output_dir}", *FAST, *overrides, nproc=nproc, **kwargs)
     return read_jsonl(output_dir / "metrics.jsonl")
 
 

@@ -1,0 +1,155 @@
+"""Pre-train Llama 3 on OpenGenome2-style metagenomes with FSDP2 + context parallelism: every packed window is split
+over ``cp_size`` ranks (TE ring attention), and FSDP2 shards the weights over all ranks. For windows too long for one
+GPU's memory, e.g. 32k-131k-token contexts.
+
+    torchrun --nproc_per_node=8 train_cp.py --config-name og2_7b_thd_gqa cp_size=2 dataset.max_seq_length=32768 ...
+    torchrun --nproc_per_node=2 train_cp.py                          # CPU processes: L0_sanity_cp, torch backend
+
+Reads top to bottom like train_fsdp2.py; what differs is the (dp, cp) mesh, the CP group handed to the model, and the
+batches: the loader builds full context-parallel THD batches (every window padded to a multiple of 2 * cp_size,
+targets shifted before the split), each rank keeps its own share, and validation does the same.
+"""
+
+import logging
+from pathlib import Path
+
+import hydra
+import torch
+import torch.distributed as dist
+from checkpoint import Checkpointer, export_final_model, gather_full_state_dict
+from collator import token_weights
+from context_parallel import shard_for_context_parallel
+from dataset import create_dataloader
+from distributed import build_meshes, cleanup_distributed, move_to_device, setup_distributed
+from model_setup import build_model, config_name, load_model_config, mixed_precision_policy, pad_token_id, recipe_path
+from omegaconf import DictConfig, OmegaConf
+from optimizer import build_optimizer
+from perf_logger import ModelFlops, PerfLogger, Profiler
+from scheduler import get_linear_schedule_with_warmup
+from transformers import AutoTokenizer
+from validation import Validator
+
+
+logger = logging.getLogger(__name__)
+
+
+@hydra.main(config_path="hydra_config", config_name="L0_sanity_cp", version_base="1.3")
+def main(cfg: DictConfig) -> None:
+    OmegaConf.to_container(cfg, resolve=True, throw_on_missing=True)  # a missing `???` value fails here, by name
+    if cfg.cp_size < 2:
+        raise ValueError(f"train_cp.py needs cp_size >= 2 (got {cfg.cp_size}); for cp_size=1 use train_fsdp2.py")
+    dist_config, device = setup_distributed(require_process_group=True)
+    if not dist_config.is_main_process():
+        logging.getLogger().setLevel(logging.WARNING)
+    logger.info("Config:\n%s", OmegaConf.to_yaml(cfg))
+    meshes = build_meshes(dist_config, device, cp_size=cfg.cp_size)
+    cp_rank = meshes.cp.get_local_rank()
+
+    # Model: meta device, sharded over all ranks (dp x cp: CP ranks hold the same weights), then initialised; every
+    # attention layer exchanges K/V blocks with the other ranks of this rank's CP group.
+    tokenizer = AutoTokenizer.from_pretrained(recipe_path(cfg.tokenizer_path))
+    config, plan = load_model_config(cfg)
+    model = build_model(
+        config,
+        plan,
+        device,
+        meshes.fsdp,
+        mixed_precision_policy(cfg, device),
+        use_meta_device=cfg.fsdp.use_meta_device,
+        reshard_after_forward=cfg.fsdp.reshard_after_forward,
+        seed=cfg.seed,
+    )
+    cp_group = meshes.cp.get_group()
+    cp_stream = torch.cuda.Stream() if device.type == "cuda" else None
+    model.model.set_context_parallel_group(cp_group, dist.get_process_group_ranks(cp_group), cp_stream)
+    model_flops = ModelFlops.from_model(model, config.num_hidden_layers, config.hidden_size)
+    logger.info("Model: %s backend, %.1fM parameters", model.backend, sum(p.numel() for p in model.parameters()) / 1e6)
+    logger.info("Per-layer precision: %s", config.layer_precision or "bf16 everywhere")
+    train_model = torch.compile(model) if cfg.use_torch_compile else model
+
+    # Optimizer with weight-decay groups, schedule; the ranks of a CP group read the same windows.
+    optimizer = build_optimizer(model, cfg.adamw_kwargs, cfg.embedding_weight_decay, fused=device.type == "cuda")
+    scheduler = get_linear_schedule_with_warmup(optimizer, **cfg.lr_scheduler_kwargs)
+    dataloader = create_dataloader(
+        cfg.dataset,
+        tokenizer,
+        dp_rank=meshes.dp_rank,
+        dp_world_size=meshes.dp_size,
+        seed=cfg.seed,
+        cp_size=cfg.cp_size,
+    )
+    validator = Validator(
+        cfg.validation,
+        cfg.dataset,
+        tokenizer,
+        meshes.dp_rank,
+        meshes.dp_size,
+        device,
+        cfg.output_dir,
+        cfg.wandb.mode,
+        cp_size=cfg.cp_size,
+        cp_rank=cp_rank,
+    )
+
+    checkpointer = Checkpointer(
+        cfg.checkpoint.ckpt_dir,
+        "fsdp2",
+        async_save=cfg.checkpoint.async_save,
+        max_checkpoints=cfg.checkpoint.max_checkpoints,
+    )
+    if dist_config.is_main_process():
+        config.save_pretrained(Path(cfg.checkpoint.ckpt_dir) / "model_config")
+    start_step = 0
+    if cfg.checkpoint.resume:
+        start_step = checkpointer.load_latest(model, optimizer, scheduler, dataloader)
+    with torch.random.fork_rng(devices=[]):  # making the iterator draws from the RNG; keep resumed runs identical
+        batches = iter(dataloader)
+
+    perf = PerfLogger(
+        cfg, model_flops, pad_token_id(tokenizer), start_step, cp_size=cfg.cp_size, config_name=config_name()
+    )
+    profiler = Profiler(cfg.profiler, cfg.output_dir)
+    train_model.train()
+    step = start_step
+    for step in range(start_step + 1, cfg.num_train_steps + 1):
+        with profiler.step_context(step):
+            step_loss = torch.zeros((), device=device)
+            # Weights come from the full batches, so every rank of a CP group uses the same ones.
+            micro_batches = [next(batches) for _ in range(cfg.grad_acc_steps)]
+            weights = token_weights(micro_batches)
+            for micro_step, full_batch in enumerate(micro_batches):
+                batch = move_to_device(shard_for_context_parallel(full_batch, cp_rank, cfg.cp_size), device)
+                perf.count_batch(batch)
+                model.set_requires_gradient_sync(micro_step == cfg.grad_acc_steps - 1)
+                # The model reduces the loss over the CP group: its value is the group's mean, its gradient scaled
+                # by cp_size so that FSDP's average over dp x cp ranks gives the average over dp of those means.
+                loss = train_model(**batch).loss * weights[micro_step]
+                loss.backward()
+                step_loss += loss.detach()
+
+            grad_norm = torch.nn.utils.clip_grad_norm_(model.parameters(), cfg.max_grad_norm)
+            lr = scheduler.get_last_lr()[0]
+            optimizer.step()
+            scheduler.step()
+            optimizer.zero_grad(set_to_none=True)
+
+        perf.log_step(step, step_loss, grad_norm, lr)
+        if validator.due(step):
+            validator.run(train_model, step)
+        checkpointer.poll()
+        if cfg.checkpoint.save_every and step % cfg.checkpoint.save_every == 0:
+            checkpointer.save(step, model, optimizer, scheduler, dataloader)
+
+    if cfg.checkpoint.save_final and step > start_step:
+        checkpointer.save(step, model, optimizer, scheduler, dataloader)
+    perf.finish()
+
+    if cfg.export_final_model:
+        full_state_dict = gather_full_state_dict(model, "fsdp2")
+        export_final_model(model, full_state_dict, Path(cfg.output_dir) / "final_model", tokenizer)
+    checkpointer.close()
+    cleanup_distributed()
+
+
+if __name__ == "__main__":
+    main()
