@@ -13,10 +13,8 @@ computed from the full batch, such as gradient-accumulation weights, is the same
 
 import torch
 import torch.nn.functional as F
+from collator import IGNORE_INDEX
 from torch_layers import context_parallel_positions
-
-
-IGNORE_INDEX = -100
 
 
 def context_parallel_batch(batch: dict, cp_size: int, pad_token_id: int) -> dict:
