@@ -15,8 +15,8 @@ with ``cu_seq_lens_q/k`` and ``max_length_q/k``, Hugging Face's names for flash-
 encoder always runs on packed tokens: BSHD input is unpadded on the way in and re-padded on the way out, so no
 compute is spent on padding and no token attends across a sequence boundary.
 
-This file is self-contained apart from ``torch_layers.py`` and ``packing.py`` beside it, so the three can be copied
-into a recipe and shipped inside an exported checkpoint (``trust_remote_code=True``).
+This file is self-contained apart from ``torch_layers.py``, ``packing.py`` and ``meta_init.py`` beside it, so the four
+can be copied into a recipe and shipped inside an exported checkpoint (``trust_remote_code=True``).
 """
 
 import contextlib
@@ -25,15 +25,16 @@ import math
 import torch
 import torch.nn.functional as F
 from torch import nn
-from torch.distributed.tensor import DTensor
 from transformers import EsmConfig, PreTrainedModel
 from transformers.modeling_outputs import BaseModelOutput, MaskedLMOutput, TokenClassifierOutput
 
 
 try:  # package import (models/esm2, exported checkpoints)
+    from .meta_init import materialize_meta_model
     from .packing import PackedBatch, pack_inputs, token_mean_loss
     from .torch_layers import TransformerLayer as TorchTransformerLayer
 except ImportError:  # flat copy inside a recipe folder
+    from meta_init import materialize_meta_model
     from packing import PackedBatch, pack_inputs, token_mean_loss
     from torch_layers import TransformerLayer as TorchTransformerLayer
 
@@ -242,23 +243,6 @@ def _is_backend_layer(module: nn.Module) -> bool:
     )
 
 
-@contextlib.contextmanager
-def _rank_local_cpu_rng(model: nn.Module, device):
-    """While initialising FSDP2-sharded weights on CPU, let every rank draw from its own stream (seed + rank).
-
-    On CUDA, DTensor's offset-based RNG gives each shard its own part of one global random stream. On CPU meshes
-    it does not, so ranks seeded alike (as training scripts seed them) would fill every shard with the same numbers.
-    The global generator is restored afterwards.
-    """
-    sharded = any(isinstance(p, DTensor) and p.device_mesh.size() > 1 for p in model.parameters())
-    if torch.device(device).type != "cpu" or not sharded:
-        yield
-        return
-    with torch.random.fork_rng(devices=[]):
-        torch.manual_seed(torch.initial_seed() + torch.distributed.get_rank())
-        yield
-
-
 class NVEsmPreTrainedModel(PreTrainedModel):
     config_class = NVEsmConfig
     config: NVEsmConfig
@@ -294,10 +278,7 @@ class NVEsmPreTrainedModel(PreTrainedModel):
         """
         if device is None:
             device = torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available() else "cpu"
-        self.to_empty(device=device)
-        with _rank_local_cpu_rng(self, device):
-            for module in self.modules():
-                self._init_weights(module)
+        materialize_meta_model(self, device, self._init_weights)
         if self.config.tie_word_embeddings:
             self.tie_weights()
 

@@ -92,8 +92,8 @@ def build_model(
 ) -> NVLlamaForCausalLM:
     """Build, shard (each layer, then the root: embeddings, final norm, LM head) and initialise the model.
 
-    On the meta device nothing is allocated until ``init_empty_weights`` fills each rank's shards (on CPU meshes the
-    model gives every rank its own random stream for that, so shards never repeat each other).
+    On the meta device nothing is allocated until ``init_empty_weights`` fills each rank's shards: each rank keeps
+    its slice of one full-size init, so any number of ranks starts from the weights one process would.
     """
     torch.manual_seed(seed)
     with torch.device("meta" if use_meta_device else device):

@@ -4,7 +4,7 @@
     python -m esm2_te.export --source /path/to/local/hf/esm2 --output-dir out
 
 The directory holds ``config.json`` (with ``auto_map``), ``model.safetensors``, the tokenizer, the modeling code
-(``modeling_esm_te.py``, ``torch_layers.py``, ``packing.py``), a model card and the license, so that
+(``modeling_esm_te.py``, ``torch_layers.py``, ``packing.py``, ``meta_init.py``), a model card and the license, so that
 
     AutoModelForMaskedLM.from_pretrained(out, trust_remote_code=True)
 
@@ -28,7 +28,7 @@ logger = logging.getLogger(__name__)
 
 PACKAGE_DIR = Path(__file__).resolve().parent
 TOKENIZER_DIR = PACKAGE_DIR / "tokenizer"
-MODELING_FILES = ("modeling_esm_te.py", "torch_layers.py", "packing.py")
+MODELING_FILES = ("modeling_esm_te.py", "torch_layers.py", "packing.py", "meta_init.py")
 
 MODEL_CARD = """---
 library_name: transformers

@@ -4,10 +4,14 @@ float32). Prints CP-OK on rank 0."""
 
 import os
 import sys
+from pathlib import Path
 
 import torch
 import torch.distributed as dist
 
+
+# The package under test, whether or not it is pip-installed (a GPU machine may run the tests from a checkout).
+sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 from esm2_te.modeling_esm_te import NVEsmConfig, NVEsmForMaskedLM
 
 

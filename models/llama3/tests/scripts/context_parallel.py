@@ -9,10 +9,14 @@ is what a collator builds: every sequence padded to a multiple of 2 * cp_size, t
 
 import os
 import sys
+from pathlib import Path
 
 import torch
 import torch.distributed as dist
 
+
+# The package under test, whether or not it is pip-installed (a GPU machine may run the tests from a checkout).
+sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 from llama3_te.modeling_llama_te import NVLlamaConfig, NVLlamaForCausalLM
 from llama3_te.torch_layers import context_parallel_positions
 
