@@ -46,7 +46,7 @@ logger = logging.getLogger(__name__)
 Strategy = Literal["ddp", "fsdp2", "mfsdp"]
 COMPLETE_MARKER = "COMPLETE"
 # Files every modeling file imports from beside it; an export ships them with it.
-MODELING_SUPPORT_FILES = ("torch_layers.py", "packing.py")
+MODELING_SUPPORT_FILES = ("torch_layers.py", "packing.py", "meta_init.py")
 _STEP_DIR = re.compile(r"^step_(\d+)$")
 
 
@@ -353,6 +353,18 @@ def gather_full_state_dict(model: torch.nn.Module, strategy: Strategy) -> dict[s
     return full
 
 
+def _tied_parameter_names(model: torch.nn.Module) -> dict[str, str]:
+    """{second name: first name} for every parameter reachable under two names (tied embeddings)."""
+    first_name: dict[int, str] = {}
+    aliases = {}
+    for name, param in model.named_parameters(remove_duplicate=False):
+        if id(param) in first_name:
+            aliases[name] = first_name[id(param)]
+        else:
+            first_name[id(param)] = name
+    return aliases
+
+
 def export_final_model(
     model: torch.nn.Module,
     full_state_dict: dict[str, torch.Tensor],
@@ -377,6 +389,11 @@ def export_final_model(
     output_dir.parent.mkdir(parents=True, exist_ok=True)
     staging = Path(tempfile.mkdtemp(prefix=f".{output_dir.name}.", dir=output_dir.parent))
     weights = {k: v for k, v in full_state_dict.items() if not k.endswith("_extra_state")}
+    # A tied weight gathered from several ranks arrives as two equal copies; make them one tensor again so that
+    # save_pretrained writes it once, as for a one-process run.
+    for alias, owner in _tied_parameter_names(model).items():
+        if alias in weights and owner in weights:
+            weights[alias] = weights[owner]
     # Loadable anywhere through the modeling code copied in: no FP8/FP4 layers, the loading machine picks the backend.
     # The modeling file is the one that defines the model's class (with its AUTO_MAP), plus the files it imports from
     # beside it. FSDP2 swaps in a subclass of its own, so look through the class hierarchy.
