@@ -20,6 +20,7 @@ Examples::
     python3 ci/build_and_test.py --components esm2,ci -m "not slow"
     python3 ci/build_and_test.py --changed-only --base origin/main
     .venv/bin/python ci/build_and_test.py --no-install --components ci
+    python3 ci/build_and_test.py --gpu                        # every GPU-marked test, on a GPU machine
 
 The last line printed is always ``N passed, N failed`` (plus ``, N skipped`` when tests were skipped). A
 component that times out, cannot be collected, or collects no tests although it has test files counts as at
@@ -55,6 +56,8 @@ STAMP_NAME = ".ci-install-stamp"
 ROOT_DOC_SUFFIXES = (".md", ".rst")
 ROOT_DOC_NAMES = {"LICENSE", "NOTICE", "CODEOWNERS"}
 STOP_GRACE_S = 10  # after SIGINT, how long pytest gets to write its report before SIGKILL
+# The hardware markers of ci/component_conftest.py (every marker but ``slow``); --gpu selects tests carrying any.
+GPU_MARKERS = ("requires_gpu", "requires_te", "requires_fp8", "requires_multi_gpu", "requires_blackwell")
 
 
 @dataclass
@@ -374,6 +377,12 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser.add_argument("--root", type=Path, default=REPO_ROOT, help="repository root (default: this repo)")
     parser.add_argument("--venv", type=Path, help="virtual environment to create/reuse (default: ROOT/.venv)")
     parser.add_argument("--no-install", action="store_true", help="local mode with the current interpreter")
+    parser.add_argument(
+        "--gpu",
+        action="store_true",
+        help="every GPU-marked test, with the current interpreter (--local --no-install -m '<hardware markers>'); "
+        "fails if none ran",
+    )
     parser.add_argument("--setup-only", action="store_true", help="create/update the virtual environment, then exit")
     parser.add_argument("--components", help="comma-separated component names (or paths) to test")
     parser.add_argument("--changed-only", action="store_true", help="only components changed since --base")
@@ -382,6 +391,11 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser.add_argument("--timeout", type=float, default=1200, help="seconds per component (default: 1200)")
     parser.add_argument("--list", action="store_true", help="print the selected components and exit")
     args = parser.parse_args(argv)
+    if args.gpu:
+        if args.docker or args.setup_only or args.venv or args.markexpr:
+            parser.error("--gpu cannot be combined with --docker, --setup-only, --venv or -m")
+        args.local = args.no_install = True
+        args.markexpr = " or ".join(GPU_MARKERS)
     if args.no_install and (args.docker or args.setup_only or args.venv):
         parser.error("--no-install cannot be combined with --docker, --setup-only or --venv")
     if args.base and not args.changed_only:
@@ -436,8 +450,13 @@ def main(argv: list[str] | None = None) -> int:
         results.append(result)
 
     print_summary(results)
+    ok = all(r.ok for r in results)
+    if args.gpu and not any(r.passed or r.failed for r in results):
+        # Every GPU test skipped (no CUDA device, or TE missing): a green run here would prove nothing.
+        print("error: --gpu ran no test (all skipped: see the skip reasons above); is this a GPU machine with TE?")
+        ok = False
     print(totals_line(results), flush=True)
-    return 0 if all(r.ok for r in results) else 1
+    return 0 if ok else 1
 
 
 if __name__ == "__main__":

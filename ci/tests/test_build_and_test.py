@@ -1,5 +1,6 @@
 """Tests of ci/build_and_test.py, run as CI runs it (a subprocess) against throwaway trees under tmp_path."""
 
+import importlib.util
 import os
 import subprocess
 import sys
@@ -172,6 +173,56 @@ def test_marker_expression_is_passed_to_pytest(tmp_path):
     proc = run_ci(tmp_path, "-m", "slow and not slow")
     assert proc.returncode == 0, proc.stdout
     assert last_line(proc) == "0 passed, 0 failed"
+
+
+GPU_TESTS = """
+    import pytest
+
+    @pytest.mark.requires_te
+    def test_te():
+        pass
+
+    @pytest.mark.requires_multi_gpu
+    @pytest.mark.skip(reason="requires_multi_gpu: 1 CUDA device(s), need 2")
+    def test_two_gpus():
+        pass
+
+    def test_cpu():
+        pass
+"""
+GPU_MARKERS_INI = "[pytest]\nmarkers =\n    requires_te\n    requires_multi_gpu\n"
+
+
+def test_gpu_mode_runs_the_hardware_marked_tests_of_every_component(tmp_path):
+    for name in ("models/alpha", "recipes/beta"):
+        make_component(tmp_path, name, {"tests/test_x.py": GPU_TESTS, "pytest.ini": GPU_MARKERS_INI})
+    proc = run_ci(tmp_path, "--gpu")
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    assert "Summary" in proc.stdout and "alpha" in proc.stdout and "beta" in proc.stdout  # per-component table
+    assert last_line(proc) == "2 passed, 0 failed, 2 skipped"  # test_cpu deselected in both
+
+
+def test_gpu_mode_fails_when_every_gpu_test_skips(tmp_path):
+    tests = GPU_TESTS.replace("def test_te", '@pytest.mark.skip(reason="requires_te: no CUDA device")\n    def test_te')
+    make_component(tmp_path, "models/alpha", {"tests/test_x.py": tests, "pytest.ini": GPU_MARKERS_INI})
+    proc = run_ci(tmp_path, "--gpu")
+    assert proc.returncode == 1, proc.stdout
+    assert "--gpu ran no test" in proc.stdout
+    assert last_line(proc) == "0 passed, 0 failed, 2 skipped"
+
+
+def _load(path: Path):
+    spec = importlib.util.spec_from_file_location(path.stem, path)
+    module = importlib.util.module_from_spec(spec)
+    sys.modules[path.stem] = module  # dataclasses look their module up there
+    spec.loader.exec_module(module)
+    return module
+
+
+def test_gpu_mode_selects_every_hardware_marker_of_the_registry():
+    """--gpu's marker list and ci/component_conftest.py's registry name the same hardware markers."""
+    registry = _load(SCRIPT.parent / "component_conftest.py").MARKERS
+    assert set(_load(SCRIPT).GPU_MARKERS) == set(registry) - {"slow"}
 
 
 def test_same_module_names_in_two_recipes_do_not_collide(tmp_path):
