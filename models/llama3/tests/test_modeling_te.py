@@ -139,59 +139,83 @@ def test_layer_precision_is_honoured_per_layer():
         assert layer.layernorm_mlp.fp8 == (wanted == "fp8")
 
 
-def _assert_greedy_choices_agree(te_tokens, torch_model, prompt_length, attention_mask, margin):
-    """Each token TE chose is the torch backend's argmax on the same prefix, or within ``margin`` of it (a near
-    tie that bf16/TF32 rounding may break either way)."""
-    full_mask = torch.cat([attention_mask, torch.ones_like(te_tokens[:, prompt_length:])], dim=1)
+def _generate(model, prompts: dict, **kwargs) -> torch.Tensor:
+    kwargs = {"max_new_tokens": 24, "do_sample": False, "pad_token_id": PAD, "eos_token_id": None, **kwargs}
     with torch.no_grad():
-        logits = torch_model(te_tokens, attention_mask=full_mask).logits.float()
-    for step in range(prompt_length, te_tokens.shape[1]):
-        step_logits = logits[:, step - 1]
-        chosen = step_logits.gather(1, te_tokens[:, step : step + 1]).squeeze(1)
-        assert torch.all(step_logits.max(dim=1).values - chosen <= margin), step
+        return model.generate(**prompts, **kwargs)
 
 
-@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
-def test_te_kv_cache_generation_equals_torch_backend_greedy(dtype, monkeypatch):
-    """Cached decoding with TE's sub-modules (fused RMSNorm+QKV GEMM, projection, MLP) against the torch backend's,
-    and against TE recomputing the whole prefix (use_cache=False): token for token in float32, choice by choice up
-    to rounding-level near ties in bf16."""
-    monkeypatch.setattr(torch.backends.cuda.matmul, "allow_tf32", False)  # float32 means float32 here
-    torch_model, te_model = _torch_and_te_models(dtype=dtype)
+def _left_padded_prompts() -> dict:
     input_ids, attention_mask, _ = make_batch([40, 17, 29], seed=7, padding_side="left")
-    prompts = {"input_ids": input_ids.cuda(), "attention_mask": attention_mask.cuda()}
-    kwargs = {"max_new_tokens": 24, "do_sample": False, "pad_token_id": PAD, "eos_token_id": None}
-    with torch.no_grad():
-        te_cached = te_model.generate(**prompts, **kwargs)
-        te_recomputed = te_model.generate(**prompts, **kwargs, use_cache=False)
-        torch_out = torch_model.generate(**prompts, **kwargs)
-    assert te_cached.shape == te_recomputed.shape == torch_out.shape == (3, 40 + 24)
-    if dtype == torch.float32:
-        assert torch.equal(te_cached, torch_out)
-        assert torch.equal(te_cached, te_recomputed)
-    _assert_greedy_choices_agree(te_cached, torch_model, 40, prompts["attention_mask"], margin=0.05)
-    beams = te_model.generate(**prompts, **kwargs, num_beams=3)
-    assert beams.shape == (3, 40 + 24)
+    return {"input_ids": input_ids.cuda(), "attention_mask": attention_mask.cuda()}
 
 
-def test_te_cached_forward_matches_the_full_forward():
-    """Prefill + one-token steps through the cache on TE give the logits of one full TE forward."""
-    _, te_model = _torch_and_te_models(dtype=torch.float32)
-    input_ids, attention_mask, _ = make_batch([30, 21], seed=3, padding_side="left")
+def test_te_kv_cache_generation_equals_torch_backend_greedy_in_fp32(monkeypatch):
+    """Cached decoding with TE's sub-modules (fused RMSNorm+QKV GEMM, projection, MLP) chooses the torch backend's
+    tokens, and the tokens of TE recomputing the whole prefix (use_cache=False), one for one in float32."""
+    monkeypatch.setattr(torch.backends.cuda.matmul, "allow_tf32", False)  # float32 means float32 here
+    torch_model, te_model = _torch_and_te_models(dtype=torch.float32)
+    prompts = _left_padded_prompts()
+    te_cached = _generate(te_model, prompts)
+    assert te_cached.shape == (3, 40 + 24)
+    assert torch.equal(te_cached, _generate(torch_model, prompts))
+    assert torch.equal(te_cached, _generate(te_model, prompts, use_cache=False))
+    assert _generate(te_model, prompts, num_beams=3).shape == (3, 40 + 24)
+
+
+# bf16 logits of this model are ~2-4 in size, where one bf16 step (ulp) is 1/64; the cached and the full forward
+# round differently (SDPA over the cache vs TE's fused attention) and differ by up to 4 steps (0.0625 measured on an
+# H100; TE's and the torch backend's full forwards differ by up to 0.098). Two logits closer than twice that are a
+# near tie that rounding may break either way.
+BF16_NEAR_TIE = 0.125
+
+
+def test_te_bf16_cached_greedy_agrees_with_full_forward_greedy():
+    """In bf16, greedy decoding through the cache and by recomputing the prefix (use_cache=False) choose the same
+    tokens until a near tie: where a row first differs, the cached choice is within BF16_NEAR_TIE of the best logit
+    of the full forward that chose the other token."""
+    _, te_model = _torch_and_te_models(dtype=torch.bfloat16)
+    prompts = _left_padded_prompts()
+    cached, recomputed = _generate(te_model, prompts), _generate(te_model, prompts, use_cache=False)
+    mask = torch.cat([prompts["attention_mask"], torch.ones_like(recomputed[:, 40:])], dim=1)
+    for row in range(cached.shape[0]):
+        differ = (cached[row] != recomputed[row]).nonzero()
+        if len(differ) == 0:
+            continue
+        step = int(differ[0])
+        with torch.no_grad():  # the forward use_cache=False ran for this step (the whole batch, as generate does)
+            logits = te_model(recomputed[:, :step], attention_mask=mask[:, :step]).logits[row, -1].float()
+        assert int(logits.argmax()) == int(recomputed[row, step]), (row, step)
+        gap = (logits.max() - logits[cached[row, step]]).item()
+        assert gap <= BF16_NEAR_TIE, f"row {row}, step {step}: the cached choice is {gap} below the best, no near tie"
+
+
+@pytest.mark.parametrize(
+    ("dtype", "tolerance"),
+    [(torch.float32, 1e-3), (torch.bfloat16, 2e-2)],  # bf16: the tolerance TE is held to against the torch backend
+    ids=["fp32", "bf16"],
+)
+def test_te_cached_forward_matches_the_full_forward(dtype, tolerance, monkeypatch):
+    """Prefill + one-token steps through the cache on TE give, step by step, the logits of one full TE forward
+    (teacher-forced: both see the same tokens)."""
+    monkeypatch.setattr(torch.backends.cuda.matmul, "allow_tf32", False)
+    _, te_model = _torch_and_te_models(dtype=dtype)
+    input_ids, attention_mask, _ = make_batch([60, 41], seed=3, padding_side="left")
     input_ids, attention_mask = input_ids.cuda(), attention_mask.cuda()
+    prefill = 40
     with torch.no_grad():
-        full = te_model(input_ids, attention_mask=attention_mask).logits
+        full = te_model(input_ids, attention_mask=attention_mask).logits.float()
         cache = DynamicCache(config=te_model.config)
-        steps = [te_model(input_ids[:, :25], attention_mask=attention_mask[:, :25], past_key_values=cache).logits]
-        for t in range(25, 30):
+        steps = [te_model(input_ids[:, :prefill], attention_mask=attention_mask[:, :prefill], past_key_values=cache)]
+        for t in range(prefill, input_ids.shape[1]):
             steps.append(
-                te_model(
-                    input_ids[:, t : t + 1], attention_mask=attention_mask[:, : t + 1], past_key_values=cache
-                ).logits
+                te_model(input_ids[:, t : t + 1], attention_mask=attention_mask[:, : t + 1], past_key_values=cache)
             )
-    cached = torch.cat(steps, dim=1)
+    cached = torch.cat([step.logits.float() for step in steps], dim=1)
     real = attention_mask.bool()
-    assert _relative_error(cached[real], full[real]) < 1e-3
+    assert _relative_error(cached[:, :prefill][real[:, :prefill]], full[:, :prefill][real[:, :prefill]]) < tolerance
+    for t in range(prefill, input_ids.shape[1]):
+        assert _relative_error(cached[:, t], full[:, t]) < tolerance, f"decoding step at position {t}"
 
 
 def test_export_loads_on_gpu_with_te(tmp_path):
