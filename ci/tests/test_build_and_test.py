@@ -203,7 +203,9 @@ def test_gpu_mode_runs_the_hardware_marked_tests_of_every_component(tmp_path):
 
 
 def test_gpu_mode_fails_when_every_gpu_test_skips(tmp_path):
-    tests = GPU_TESTS.replace("def test_te", '@pytest.mark.skip(reason="requires_te: no CUDA device")\n    def test_te')
+    tests = GPU_TESTS.replace(
+        "def test_te", '@pytest.mark.skip(reason="requires_te: no CUDA device")\n    def test_te'
+    )
     make_component(tmp_path, "models/alpha", {"tests/test_x.py": tests, "pytest.ini": GPU_MARKERS_INI})
     proc = run_ci(tmp_path, "--gpu")
     assert proc.returncode == 1, proc.stdout

@@ -34,7 +34,7 @@ def initial_weights(output_dir: Path, *overrides: str, nproc: int, gpu: bool = F
 
 
 def expected_init(name: str, shape: tuple, config: dict) -> float | str:
-    """"ones", "zeros", or the std a fresh matrix should have, read from the config as the model's docs define it.
+    """ "ones", "zeros", or the std a fresh matrix should have, read from the config as the model's docs define it.
 
     Vectors are norm scales (ones) and biases (zeros); matrices are drawn from a normal distribution.
     """
