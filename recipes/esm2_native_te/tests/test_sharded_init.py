@@ -85,6 +85,7 @@ def test_te_init_on_one_gpu_equals_the_torch_backend(tmp_path):
     assert te.keys() == twins.keys()
     for name in te:
         assert torch.equal(te[name], twins[name]), f"{name}: TE and torch backends initialised it differently"
+    # One GPU holds it all; the two halves of every matrix must still differ (no repeated block).
     assert_initialised_as_configured(te, config, ranks=2)
 
 
