@@ -56,7 +56,7 @@ STAMP_NAME = ".ci-install-stamp"
 ROOT_DOC_SUFFIXES = (".md", ".rst")
 ROOT_DOC_NAMES = {"LICENSE", "NOTICE", "CODEOWNERS"}
 STOP_GRACE_S = 10  # after SIGINT, how long pytest gets to write its report before SIGKILL
-# The hardware markers of ci/component_conftest.py (every marker but ``slow``); --gpu selects tests carrying any.
+# The hardware markers of common/conftest.py (every marker but ``slow``); --gpu selects tests carrying any.
 GPU_MARKERS = ("requires_gpu", "requires_te", "requires_fp8", "requires_multi_gpu", "requires_blackwell")
 
 

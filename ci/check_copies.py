@@ -18,6 +18,11 @@ Recipes carry copies of shared code so that each recipe folder stands alone. Two
 
    A directory source is mirrored: the target directory must hold exactly the same files.
 
+Where copies may come from (so that no folder becomes another's library): shared code has its one source in
+``common/``; a recipe may also copy its model's own files (modeling code, tokenizer, configs) from ``models/<name>/``;
+root files (LICENSE) may be copied anywhere. A copy never comes from a recipe, from ``ci/``, from another copy, or
+from one model package into another.
+
 Exit status: 0 when every copy is in sync, 1 when any copy drifted or its source is missing (after ``--fix``,
 only the copies it could not repair count).
 """
@@ -173,6 +178,22 @@ def _short_diff(expected: bytes, actual: bytes, source: str, target: str) -> str
     return "\n".join("    " + line for line in shown)
 
 
+def source_rule_problem(source: str, target: str, copy_targets: set[str]) -> str | None:
+    """Why ``source`` may not be the source of ``target`` (paths relative to the root), or None when it may."""
+    if source in copy_targets or any(source.startswith(t + "/") for t in copy_targets):
+        return "its source is itself a copy: copy from the original"
+    source_parts, target_parts = source.split("/"), target.split("/")
+    if len(source_parts) == 1 or source_parts[0] == "common":
+        return None
+    if source_parts[0] == "models" and len(source_parts) > 2:
+        if target_parts[0] == "recipes":
+            return None  # a recipe carries its model's modeling code, tokenizer and configs
+        if target_parts[:2] == source_parts[:2]:
+            return None
+        return "one model package copies from another: move the shared file to common/"
+    return f"copies come from common/ (or a model package, into recipes), not from {source_parts[0]}/"
+
+
 def check(root: Path, fix: bool) -> int:
     root = root.resolve()
     copies, extras, problems = manifest_copies(root)
@@ -180,6 +201,12 @@ def check(root: Path, fix: bool) -> int:
 
     def rel(path: Path) -> str:
         return path.relative_to(root).as_posix() if path.is_relative_to(root) else str(path)
+
+    copy_targets = {rel(copy.target) for copy in copies}
+    for copy in copies:
+        why = source_rule_problem(rel(copy.source), rel(copy.target), copy_targets)
+        if why is not None:
+            problems.append(f"SOURCE  {rel(copy.target)} is copied from {rel(copy.source)}: {why}")
 
     fixed = 0
     for copy in copies:

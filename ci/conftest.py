@@ -1,7 +1,8 @@
 """Root conftest of the ``ci`` component: the tooling's tests get the project's marker registry too.
 
-Model and recipe folders carry a synced copy of component_conftest.py as their conftest.py (so a copied recipe
-stands alone); ci/ never leaves the repository, so it loads the original as a plugin instead of a copy.
+The registry's source is common/conftest.py. Model and recipe folders carry a synced copy of it as their conftest.py
+(so a copied recipe stands alone); ci/ holds its copy as component_conftest.py and loads it as a plugin, because
+ci/ has a root conftest of its own (this file).
 """
 
 import sys

@@ -222,8 +222,8 @@ def _load(path: Path):
 
 
 def test_gpu_mode_selects_every_hardware_marker_of_the_registry():
-    """--gpu's marker list and ci/component_conftest.py's registry name the same hardware markers."""
-    registry = _load(SCRIPT.parent / "component_conftest.py").MARKERS
+    """--gpu's marker list and common/conftest.py's registry name the same hardware markers."""
+    registry = _load(SCRIPT.parent.parent / "common" / "conftest.py").MARKERS
     assert set(_load(SCRIPT).GPU_MARKERS) == set(registry) - {"slow"}
 
 

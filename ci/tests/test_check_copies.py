@@ -161,3 +161,28 @@ def test_repo_manifest_parses_and_precommit_pins_match():
     local_hooks = {hook["id"]: hook for hook in repos["local"]["hooks"]}
     assert local_hooks["check-copies"]["entry"].endswith("ci/check_copies.py")
     assert local_hooks["check-copies"]["pass_filenames"] is False
+
+
+def test_copies_come_from_common_or_their_model_package(repo):
+    """No recipe is another recipe's library, no model package another's, and no copy is copied again."""
+    write(repo, "common/packing.py", SOURCE)
+    write(repo, "recipes/r/modeling.py", HEADER + SOURCE)  # a recipe carries its model's code: allowed
+    write(repo, "models/m/m_pkg/packing.py", "# Copied from common/packing.py\n" + SOURCE)
+    write(repo, "models/m/tests/helpers.py", "# Copied from models/m/modeling.py\n" + SOURCE)  # within one package
+    proc = run(repo)
+    assert proc.returncode == 0, proc.stdout
+
+    write(repo, "recipes/r/collator.py", "import numpy\n")
+    write(repo, "recipes/s/collator.py", "# Copied from recipes/r/collator.py\nimport numpy\n")
+    write(repo, "models/n/modeling.py", "# Copied from models/m/modeling.py\n" + SOURCE)
+    write(repo, "recipes/s/packing.py", "# Copied from models/m/m_pkg/packing.py\n" + SOURCE)
+    write(repo, "ci/registry.py", "X = 1\n")
+    write(repo, "recipes/s/conftest.py", "# Copied from ci/registry.py\nX = 1\n")
+    proc = run(repo)
+    assert proc.returncode == 1
+    out = proc.stdout
+    assert "SOURCE  recipes/s/collator.py is copied from recipes/r/collator.py: copies come from common/" in out
+    assert "SOURCE  models/n/modeling.py is copied from models/m/modeling.py: one model package copies" in out
+    assert "SOURCE  recipes/s/packing.py is copied from models/m/m_pkg/packing.py: its source is itself a copy" in out
+    assert "SOURCE  recipes/s/conftest.py is copied from ci/registry.py: copies come from common/" in out
+    assert out.count("SOURCE  ") == 4

@@ -1,4 +1,4 @@
-# Copied from ci/component_conftest.py — edit the source, then run ci/check_copies.py --fix
+# Copied from common/conftest.py — edit the source, then run ci/check_copies.py --fix
 """The project's one registry of pytest markers, and the rule that skips them on machines without the hardware.
 
 Every component (models/*, recipes/*) carries a synced copy of this file as its top-level ``conftest.py``, so a

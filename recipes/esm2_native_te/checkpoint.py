@@ -1,3 +1,4 @@
+# Copied from common/checkpoint.py — edit the source, then run ci/check_copies.py --fix
 """Training checkpoints (save, resume, prune) for DDP, FSDP2 and Megatron-FSDP, and the final Hugging Face export.
 
 Layout of ``<ckpt_dir>``::
@@ -23,8 +24,6 @@ import logging
 import random
 import re
 import shutil
-import sys
-import tempfile
 from concurrent.futures import Future
 from pathlib import Path
 from typing import Any, Literal
@@ -33,6 +32,7 @@ import numpy as np
 import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
+from hf_export import write_hf_directory
 from torch.distributed.checkpoint.state_dict import (
     StateDictOptions,
     get_model_state_dict,
@@ -45,8 +45,6 @@ logger = logging.getLogger(__name__)
 
 Strategy = Literal["ddp", "fsdp2", "mfsdp"]
 COMPLETE_MARKER = "COMPLETE"
-# Files every modeling file imports from beside it; an export ships them with it.
-MODELING_SUPPORT_FILES = ("torch_layers.py", "packing.py", "meta_init.py")
 _STEP_DIR = re.compile(r"^step_(\d+)$")
 
 
@@ -353,76 +351,23 @@ def gather_full_state_dict(model: torch.nn.Module, strategy: Strategy) -> dict[s
     return full
 
 
-def _tied_parameter_names(model: torch.nn.Module) -> dict[str, str]:
-    """{second name: first name} for every parameter reachable under two names (tied embeddings)."""
-    first_name: dict[int, str] = {}
-    aliases = {}
-    for name, param in model.named_parameters(remove_duplicate=False):
-        if id(param) in first_name:
-            aliases[name] = first_name[id(param)]
-        else:
-            first_name[id(param)] = name
-    return aliases
-
-
 def export_final_model(
     model: torch.nn.Module,
     full_state_dict: dict[str, torch.Tensor],
     output_dir: str | Path,
     tokenizer: Any = None,
 ) -> Path | None:
-    """Write a Hugging Face directory (config, safetensors weights, tokenizer, modeling code) on rank 0.
+    """Write the trained model as a Hugging Face directory on rank 0 (``hf_export.write_hf_directory``).
 
-    ``AutoModel*.from_pretrained(output_dir, trust_remote_code=True)`` loads the result, on any machine:
-    the saved config has no FP8/FP4 layers and ``backend: auto``. The directory is written beside its final name
-    and renamed only when complete; an earlier export there is replaced only after the new one is whole.
+    ``AutoModel*.from_pretrained(output_dir, trust_remote_code=True)`` loads the result, on any machine: the saved
+    config has no FP8/FP4 layers and ``backend: auto``. The directory appears only once complete, and an earlier
+    export there is replaced only after the new one is whole.
 
     Args:
-        model: the trained model, possibly wrapped or sharded: only its config and ``save_pretrained`` are used,
-            the weights come from ``full_state_dict``, so no second full-size copy of the model is built.
+        model: the trained model, possibly wrapped or sharded: only its config, class and ``save_pretrained`` are
+            used, the weights come from ``full_state_dict``, so no second full-size copy of the model is built.
         full_state_dict: unsharded weights from :func:`gather_full_state_dict`.
     """
     if _rank() != 0:
         return None
-    model = _unwrap(model)
-    output_dir = Path(output_dir)
-    output_dir.parent.mkdir(parents=True, exist_ok=True)
-    staging = Path(tempfile.mkdtemp(prefix=f".{output_dir.name}.", dir=output_dir.parent))
-    weights = {k: v for k, v in full_state_dict.items() if not k.endswith("_extra_state")}
-    # A tied weight gathered from several ranks arrives as two equal copies; make them one tensor again so that
-    # save_pretrained writes it once, as for a one-process run.
-    for alias, owner in _tied_parameter_names(model).items():
-        if alias in weights and owner in weights:
-            weights[alias] = weights[owner]
-    # Loadable anywhere through the modeling code copied in: no FP8/FP4 layers, the loading machine picks the backend.
-    # The modeling file is the one that defines the model's class (with its AUTO_MAP), plus the files it imports from
-    # beside it. FSDP2 swaps in a subclass of its own, so look through the class hierarchy.
-    model_class = next(c for c in type(model).__mro__ if hasattr(sys.modules[c.__module__], "AUTO_MAP"))
-    modeling_module = sys.modules[model_class.__module__]
-    modeling_file = Path(modeling_module.__file__)
-    modeling_files = [modeling_file] + [modeling_file.with_name(name) for name in MODELING_SUPPORT_FILES]
-    exported = {"auto_map": dict(modeling_module.AUTO_MAP), "architectures": [model_class.__name__]}
-    exported["layer_precision"] = None
-    exported["backend"] = "auto"
-    saved = {key: getattr(model.config, key, None) for key in exported}
-    try:
-        for key, value in exported.items():
-            setattr(model.config, key, value)
-        model.save_pretrained(staging, state_dict=weights)
-        if tokenizer is not None:
-            tokenizer.save_pretrained(staging)
-        for path in modeling_files:
-            shutil.copy2(path, staging / path.name)
-        previous = output_dir.with_name(f".{output_dir.name}.previous")
-        if output_dir.exists():
-            output_dir.rename(previous)
-        staging.rename(output_dir)
-        shutil.rmtree(previous, ignore_errors=True)
-    except BaseException:
-        shutil.rmtree(staging, ignore_errors=True)
-        raise
-    finally:
-        for key, value in saved.items():
-            setattr(model.config, key, value)
-    logger.info("Exported the final model to %s", output_dir)
-    return output_dir
+    return write_hf_directory(_unwrap(model), output_dir, state_dict=full_state_dict, tokenizer=tokenizer)

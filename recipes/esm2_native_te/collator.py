@@ -1,4 +1,4 @@
-"""Masked-LM masking and batch collation for ESM-2 pre-training: BSHD padding, THD packing, context-parallel shards.
+"""Masked-LM masking and batch collation for ESM-2 pre-training: mask, then pad (BSHD) or pack (THD), padded for CP.
 
 A *sample* (what ``dataset.py`` yields) is a dict ``{"input_ids": 1-D int array incl. <cls>/<eos>, "epoch": int,
 "sample_index": int}``. The collators turn a list of samples into the batch contract the model's forward accepts:
@@ -8,15 +8,18 @@ A *sample* (what ``dataset.py`` yields) is a dict ``{"input_ids": 1-D int array 
 - THD: ``input_ids``/``labels`` ``[1, T]`` int64, ``cu_seq_lens_q``/``cu_seq_lens_k`` int32 ``[n + 1]`` and
   ``max_length_q``/``max_length_k`` python ints. With ``pad_to_multiple_of`` the total is padded by one extra
   pseudo-sequence of ``<pad>`` (labels -100) that is its own segment, so it attends only to itself.
-- Context parallelism (``cp_size > 1``): every sequence is padded to a multiple of ``2 * cp_size`` and cut into
-  ``2 * cp_size`` equal chunks; CP rank ``r`` keeps chunks ``r`` and ``2 * cp_size - 1 - r`` of every sequence, which
-  balances the attention work of ring attention. THD batches then carry the *global padded* cu_seqlens as
-  ``cu_seq_lens_{q,k}`` and ``cu_seq_lens_{q,k}_padded``: real tokens of a sequence also see its few (< 2 * cp_size)
-  pad tokens (labels -100). Declaring the padding as skipped instead (real boundaries in ``cu_seq_lens_q``) makes
-  TE's ring attention leave those output rows unwritten, and the garbage there turns weight gradients into NaN.
+- Padding for context parallelism (``cp_size > 1``): every sequence is padded to a multiple of ``2 * cp_size``, so
+  that ``context_parallel.shard_for_context_parallel`` can cut it into ``2 * cp_size`` equal chunks in the training
+  loop (CP rank ``r`` keeps chunks ``r`` and ``2 * cp_size - 1 - r``). The collators yield these *full* CP-ready
+  batches; all CP ranks of a data-parallel group build the same ones. THD batches then carry the *global padded*
+  cu_seqlens as ``cu_seq_lens_{q,k}`` and ``cu_seq_lens_{q,k}_padded``: real tokens of a sequence also see its few
+  (< 2 * cp_size) pad tokens (labels -100). Declaring the padding as skipped instead (real boundaries in
+  ``cu_seq_lens_q``) makes TE's ring attention leave those output rows unwritten, and the garbage there turns
+  weight gradients into NaN.
 
-Masking is a pure function of ``(seed, epoch, sample_index)``, so a resumed run needs no collator state and every
-CP rank of a data-parallel group builds the identical full batch before keeping its own shard.
+Masking is a pure function of ``(seed, epoch, sample_index)``, so a resumed run needs no collator state, every CP
+rank of a data-parallel group builds the identical full batch, and a sample gets the same mask whatever batch it
+lands in (micro-batches of b and of 2 b hold the same masked samples).
 
 Batches with nothing to predict: a batch whose samples drew no masked token would make a mean-reduced loss 0/0 =
 NaN. The collators therefore force one masked token (chosen by the first sample's own RNG) into such a batch. A
@@ -143,7 +146,7 @@ class BSHDCollator:
 
 @dataclass
 class THDCollator:
-    """Pack a list of samples into one ``[1, T]`` row with cu_seqlens (see the module docstring)."""
+    """Pack a list of samples into one ``[1, T]`` row with cu_seqlens (see the module docstring) and mask them."""
 
     masker: MLMMasker
     pad_token_id: int
@@ -183,70 +186,9 @@ class THDCollator:
         return batch
 
 
-# ------------------------------------------------------------------------------------- context-parallel sharding
+def count_targets(batch: dict) -> int:
+    """Tokens the model scores in ``batch`` (labels other than -100): the weight of a micro-batch in its step.
 
-
-def cp_local_positions(boundaries: list[int], cp_rank: int, cp_size: int) -> torch.Tensor:
-    """Global positions CP rank ``cp_rank`` keeps, in local order: chunks r and 2*cp-1-r of every segment.
-
-    ``boundaries`` are cumulative segment starts ``[0, end_0, end_1, ...]`` (THD: padded cu_seqlens, BSHD: [0, S]).
+    Count them on the full batch, before any context-parallel shard, so every rank of a CP group agrees.
     """
-    if not 0 <= cp_rank < cp_size:
-        raise ValueError(f"cp_rank {cp_rank} is outside [0, {cp_size})")
-    n_chunks = 2 * cp_size
-    pieces = []
-    for start, end in zip(boundaries[:-1], boundaries[1:]):
-        if (end - start) % n_chunks:
-            raise ValueError(f"segment [{start}, {end}) is not a multiple of 2 * cp_size = {n_chunks}; pad it first")
-        chunk = (end - start) // n_chunks
-        for c in (cp_rank, n_chunks - 1 - cp_rank):
-            pieces.append(torch.arange(start + c * chunk, start + (c + 1) * chunk))
-    return torch.cat(pieces) if pieces else torch.zeros(0, dtype=torch.int64)
-
-
-def _boundaries(batch: dict) -> list[int]:
-    if "cu_seq_lens_q_padded" in batch:
-        return batch["cu_seq_lens_q_padded"].tolist()
-    if "cu_seq_lens_q" in batch:
-        raise ValueError("THD batch has no cu_seq_lens_q_padded: build it with THDCollator(cp_size=...)")
-    return [0, batch["input_ids"].shape[1]]
-
-
-def _sequence_keys(batch: dict) -> list[str]:
-    return [k for k in ("input_ids", "attention_mask", "labels") if k in batch]
-
-
-def shard_for_context_parallel(batch: dict, cp_rank: int, cp_size: int) -> dict:
-    """The part of a full (CP-padded) BSHD or THD batch that CP rank ``cp_rank`` computes on."""
-    index = cp_local_positions(_boundaries(batch), cp_rank, cp_size)
-    shard = dict(batch)
-    for key in _sequence_keys(batch):
-        shard[key] = batch[key][:, index]
-    return shard
-
-
-def unshard_context_parallel(shards: list[dict]) -> dict:
-    """Reassemble the full batch from the shards of all CP ranks, given in rank order (inverse of the above)."""
-    cp_size = len(shards)
-    boundaries = _boundaries(shards[0])
-    if "cu_seq_lens_q" not in shards[0]:
-        boundaries = [0, shards[0]["input_ids"].shape[1] * cp_size]
-    full = dict(shards[0])
-    for key in _sequence_keys(shards[0]):
-        local = shards[0][key]
-        full[key] = torch.empty((local.shape[0], boundaries[-1]), dtype=local.dtype)
-        for rank, shard in enumerate(shards):
-            full[key][:, cp_local_positions(boundaries, rank, cp_size)] = shard[key]
-    return full
-
-
-@dataclass
-class ContextParallelShard:
-    """Wrap a collator so the dataloader yields only this CP rank's shard (picklable for worker processes)."""
-
-    collator: BSHDCollator | THDCollator
-    cp_rank: int
-    cp_size: int
-
-    def __call__(self, samples) -> dict:
-        return shard_for_context_parallel(self.collator(samples), self.cp_rank, self.cp_size)
+    return int((batch["labels"] != IGNORE_INDEX).sum())

@@ -1,4 +1,5 @@
-"""Protein sequences for ESM-2 masked-LM pre-training: read, validate, tokenize, split per data-parallel rank, batch.
+"""Protein sequences for ESM-2 masked-LM pre-training: read, validate, tokenize, split per data-parallel rank, then
+mask and collate (collator.py: pad or pack, padded for context parallelism).
 
 ``create_dataloader(data_cfg, tokenizer, dp_rank, dp_world_size, seed, cp_size=1)`` is the entry point of the
 training scripts. The loader it returns **yields forever**: it steps the epoch (re-seeding the shuffle) on its
@@ -59,7 +60,7 @@ from pathlib import Path
 import datasets
 import numpy as np
 import torch
-from collator import BSHDCollator, ContextParallelShard, MLMMasker, THDCollator, round_up
+from collator import BSHDCollator, MLMMasker, THDCollator, round_up
 from datasets.distributed import split_dataset_by_node
 from torch.utils.data.distributed import DistributedSampler
 from torchdata.stateful_dataloader import StatefulDataLoader
@@ -484,14 +485,14 @@ def _local_rank_zero_first():
 
 
 def create_dataloader(
-    data_cfg, tokenizer, dp_rank: int, dp_world_size: int, seed: int, cp_size: int = 1, cp_rank: int | None = None
+    data_cfg, tokenizer, dp_rank: int, dp_world_size: int, seed: int, cp_size: int = 1
 ) -> StatefulDataLoader:
     """Build the endless, resumable training dataloader of one data-parallel rank (see the module docstring).
 
     ``tokenizer`` is a tokenizer or a path to one. With ``cp_size > 1`` every sequence is padded for context
-    parallelism; the loader yields the full batch (shard it with ``collator.shard_for_context_parallel``), or, when
-    ``cp_rank`` is given, already this CP rank's shard. Under ``torch.distributed`` every rank must call this (one
-    barrier guards the datasets cache).
+    parallelism and the loader yields the full batch; all CP ranks of a data-parallel group read the same batches and
+    the training loop keeps each rank's share (``context_parallel.shard_for_context_parallel``). Under
+    ``torch.distributed`` every rank must call this (one barrier guards the datasets cache).
     """
     cfg = resolve_data_config(data_cfg)
     if isinstance(tokenizer, str | os.PathLike):
@@ -510,8 +511,6 @@ def create_dataloader(
     masker = MLMMasker.from_tokenizer(tokenizer, seed=seed, mlm_probability=cfg["mlm_probability"])
     collator_cls = THDCollator if thd else BSHDCollator
     collate = collator_cls(masker, tokenizer.pad_token_id, cfg["pad_to_multiple_of"], cp_size)
-    if cp_size > 1 and cp_rank is not None:
-        collate = ContextParallelShard(collate, cp_rank, cp_size)
 
     source_keys = ("format", "sequence_column", "split", "name", "streaming", "cache_dir")
     source, column = Path(cfg["path"]).name, cfg["sequence_column"]

@@ -1,3 +1,4 @@
+# Copied from common/distributed.py — edit the source, then run ci/check_copies.py --fix
 """Process-group setup from torchrun's environment, device choice, device meshes and teardown.
 
 Launched by ``torchrun`` the usual variables (RANK, WORLD_SIZE, LOCAL_RANK, MASTER_ADDR/PORT) are set and a process

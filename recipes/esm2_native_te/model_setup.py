@@ -1,34 +1,77 @@
-"""What every entrypoint needs around building the model: recipe-relative paths, the model config with this run's
-overrides and its per-layer FP8/FP4 plan, pretrained weights to fine-tune from, and the running config's name.
+"""Building the model, the one way every entrypoint does it: config, precision plan, construction, pretrained weights,
+sharding, init.
 
 ``model_tag`` is a directory (or Hugging Face Hub id) holding a ``config.json``: one of this recipe's
 ``model_configs/`` to pre-train from scratch, an NVEsm export, or a stock Hugging Face ESM-2 checkpoint. With
-``init_from_pretrained: true`` its weights are loaded too (stock checkpoints are converted on the fly).
+``init_from_pretrained: true`` its weights are loaded too (stock checkpoints are converted on the fly): fine-tuning.
+
+``build_model(cfg, device, meshes, strategy)`` returns a :class:`BuiltModel`. Strategies:
+
+- ``"ddp"``: the whole model on every rank, wrapped in ``DistributedDataParallel`` when a process group exists;
+- ``"fsdp2"``: each transformer layer, then the root (embeddings, LM head), sharded over ``meshes.fsdp`` with
+  ``fully_shard`` and the one mixed-precision policy (``mixed_precision.mixed_precision_policy``); built on the
+  meta device when ``fsdp.use_meta_device``, so each rank materialises only its own shards. With ``meshes.cp`` the
+  model's attention is split over that context-parallel group;
+- ``"mfsdp"``: Megatron-FSDP (CUDA only) over the ``("dp", "tp")`` mesh in ``meshes.fsdp``. It shards the model and
+  its optimizer together, so for this strategy the optimizer is built here too.
 """
 
+import contextlib
 import logging
-from pathlib import Path
+from dataclasses import dataclass
 
-import hydra
 import torch
-from convert import _load_exactly, convert_esm_hf_to_te, nv_config_from_hf
+import torch.distributed as dist
+from convert import convert_esm_hf_to_te, nv_config_from_hf
+from distributed import Meshes
+from mixed_precision import computes_in_bf16, keeps_fp32_master_weights, mixed_precision_policy
 from modeling_esm_te import NVEsmConfig, NVEsmForMaskedLM
 from omegaconf import DictConfig, OmegaConf
+from perf_logger import ModelFlops
+from quant_stats import QuantStats
 from quantization import QuantizationPlan, build_quantization
+from recipe_paths import recipe_path
 from torch.distributed.checkpoint.state_dict import StateDictOptions, set_model_state_dict
+from torch.distributed.fsdp import fully_shard
 from torch.distributed.tensor import DTensor
+from torch.nn.parallel import DistributedDataParallel
 from transformers import EsmConfig, EsmForMaskedLM, PretrainedConfig
+from weight_conversion import load_state_dict_exactly
 
 
 logger = logging.getLogger(__name__)
 
+STRATEGIES = ("ddp", "fsdp2", "mfsdp")
 
-RECIPE_DIR = Path(__file__).resolve().parent
 
+@dataclass
+class BuiltModel:
+    """What the entrypoints use of the model."""
 
-def recipe_path(path: str) -> Path:
-    """A path as given when it exists from the working directory, else relative to this recipe folder."""
-    return Path(path) if Path(path).exists() or Path(path).is_absolute() else RECIPE_DIR / path
+    # Parameters for the optimizer, checkpoints and export: the bare model (DDP), sharded in place (FSDP2), or
+    # Megatron-FSDP's wrapper (its ``.module`` is the model).
+    model: torch.nn.Module
+    train_model: torch.nn.Module  # what the loop calls: the DDP wrapper and/or torch.compile of ``model``
+    config: NVEsmConfig
+    plan: QuantizationPlan
+    model_flops: ModelFlops
+    strategy: str
+    ddp: DistributedDataParallel | None = None
+    optimizer: torch.optim.Optimizer | None = None  # "mfsdp" only: sharded together with the model
+
+    def gradient_sync(self, enabled: bool) -> contextlib.AbstractContextManager:
+        """Reduce gradients in this backward (``enabled``) or only accumulate them locally (earlier micro-batches).
+
+        Enter it around the forward and the backward of a micro-batch.
+        """
+        if self.strategy == "fsdp2":
+            self.model.set_requires_gradient_sync(enabled)
+            return contextlib.nullcontext()
+        if enabled:
+            return contextlib.nullcontext()
+        if self.strategy == "mfsdp":
+            return self.model.no_sync()
+        return self.ddp.no_sync() if self.ddp is not None else contextlib.nullcontext()
 
 
 def model_source(cfg: DictConfig) -> str:
@@ -83,7 +126,7 @@ def apply_pretrained_weights(model: torch.nn.Module, state: dict[str, torch.Tens
     if state is None:
         return
     if not any(isinstance(p, DTensor) for p in model.parameters()):
-        _load_exactly(model, state, "the pretrained checkpoint")
+        load_state_dict_exactly(model, state, "the pretrained checkpoint")
         return
     result = set_model_state_dict(model, state, options=StateDictOptions(full_state_dict=True, strict=False))
     missing = [key for key in result.missing_keys if not key.endswith("_extra_state")]
@@ -93,6 +136,102 @@ def apply_pretrained_weights(model: torch.nn.Module, state: dict[str, torch.Tens
         )
 
 
-def config_name() -> str:
-    """The Hydra config this run started from (recorded in summary.json)."""
-    return hydra.core.hydra_config.HydraConfig.get().job.config_name
+def build_model(
+    cfg: DictConfig,
+    device: torch.device,
+    meshes: Meshes | None,
+    strategy: str,
+    quant_stats: QuantStats | None = None,
+) -> BuiltModel:
+    """The model of this run, built, placed (and sharded) for ``strategy``: initialised from ``cfg.seed``'s RNG, or
+    with ``init_from_pretrained`` from the weights in ``model_tag``.
+
+    ``meshes`` may be None for ``"ddp"`` (it uses the default process group, if any). ``quant_stats`` (started
+    before this call: TE reads its debug config when it builds its first layer) learns the layers' names.
+    """
+    if strategy not in STRATEGIES:
+        raise ValueError(f"strategy must be one of {STRATEGIES}, got {strategy!r}")
+    config, plan = load_model_config(cfg)
+    if strategy == "mfsdp":
+        return _build_megatron_fsdp(cfg, device, meshes, config, plan, quant_stats)
+    on_meta = strategy == "fsdp2" and cfg.fsdp.use_meta_device
+    with torch.device("meta" if on_meta else device):
+        model = NVEsmForMaskedLM(config, fp8_recipe=plan.fp8_recipe, fp4_recipe=plan.fp4_recipe)
+    pretrained = load_pretrained_state_dict(cfg)
+    if strategy == "ddp":
+        apply_pretrained_weights(model, pretrained)
+    if computes_in_bf16(cfg.mixed_precision, device) and not keeps_fp32_master_weights(cfg.mixed_precision, device):
+        model.to(torch.bfloat16)  # bf16 weights and optimizer state: less memory, no fp32 master copy
+    if quant_stats is not None:
+        quant_stats.watch(model)
+    model_flops = ModelFlops.from_model(model, config.num_hidden_layers, config.hidden_size)
+    logger.info("Model: %s backend, %.1fM parameters", model.backend, sum(p.numel() for p in model.parameters()) / 1e6)
+
+    if meshes is not None and meshes.cp is not None:
+        # Every attention layer exchanges K/V blocks with the other ranks of this rank's CP group.
+        cp_group = meshes.cp.get_group()
+        cp_stream = torch.cuda.Stream() if device.type == "cuda" else None
+        model.esm.set_context_parallel_group(cp_group, dist.get_process_group_ranks(cp_group), cp_stream)
+
+    ddp = None
+    if strategy == "fsdp2":
+        # FSDP2 over meshes.fsdp (dp x cp with context parallelism: CP ranks hold the same weights).
+        policy = mixed_precision_policy(cfg.mixed_precision, device)
+        reshard = cfg.fsdp.reshard_after_forward
+        for layer in model.esm.encoder.layers:
+            fully_shard(layer, mesh=meshes.fsdp, mp_policy=policy, reshard_after_forward=reshard)
+        fully_shard(model, mesh=meshes.fsdp, mp_policy=policy, reshard_after_forward=reshard)
+        if on_meta:
+            model.init_empty_weights(device)
+        apply_pretrained_weights(model, pretrained)  # fine-tuning: every rank loads its own shards
+        train_model = model
+    else:
+        # The same random init on every rank (same seed), and DDP broadcasts rank 0's weights anyway. The buffers
+        # (rotary frequencies, contact-head weights) never change: no per-step broadcast.
+        if dist.is_initialized():
+            device_ids = [device.index] if device.type == "cuda" else None
+            ddp = DistributedDataParallel(model, device_ids=device_ids, broadcast_buffers=False)
+        train_model = ddp or model
+    if cfg.use_torch_compile:
+        train_model = torch.compile(train_model)
+    return BuiltModel(model, train_model, config, plan, model_flops, strategy, ddp)
+
+
+def _build_megatron_fsdp(cfg, device, meshes, config, plan, quant_stats) -> BuiltModel:
+    """Megatron-FSDP: the model built whole on this GPU, then sharded together with its optimizer.
+
+    Megatron-FSDP's meta-device path would initialise weights with each module's reset_parameters(), not ESM's
+    initialisation, so it is not used. Its fp32 main weights live in its own sharded buffers, so the model itself is
+    cast to bf16 whenever bf16 compute is on.
+    """
+    import megatron_fsdp
+
+    with torch.device(device):
+        model = NVEsmForMaskedLM(config, fp8_recipe=plan.fp8_recipe, fp4_recipe=plan.fp4_recipe)
+    apply_pretrained_weights(model, load_pretrained_state_dict(cfg))  # fine-tuning: init_from_pretrained=true
+    if cfg.mixed_precision.enabled:
+        model.to(torch.bfloat16)  # compute weights; fp32 main weights live in Megatron-FSDP's buffers
+    if quant_stats is not None:
+        quant_stats.watch(model)
+    model_flops = ModelFlops.from_model(model, config.num_hidden_layers, config.hidden_size)
+    logger.info("Model: %s backend, %.1fM parameters", model.backend, sum(p.numel() for p in model.parameters()) / 1e6)
+
+    # Each transformer layer is one FSDP unit; the optimizer's parameter groups are rebuilt over the shards.
+    optimizer = torch.optim.AdamW(model.parameters(), **cfg.adamw_kwargs, fused=True)
+    policy = megatron_fsdp.MixedPrecisionPolicy(
+        main_params_dtype=torch.float32 if cfg.mixed_precision.fp32_master_weights else None,
+        main_grads_dtype=torch.float32,
+    )
+    model, optimizer = megatron_fsdp.fully_shard(
+        model,
+        optimizer,
+        device_mesh=meshes.fsdp,
+        dp_shard_dim="dp",
+        tp_dim="tp",
+        fsdp_unit_modules=[type(model.esm.encoder.layers[0])],
+        zero_dp_strategy=cfg.fsdp.mfsdp_zero_dp_strategy,
+        mixed_precision_policy=policy,
+        device=device,
+    )
+    train_model = torch.compile(model) if cfg.use_torch_compile else model
+    return BuiltModel(model, train_model, config, plan, model_flops, "mfsdp", optimizer=optimizer)

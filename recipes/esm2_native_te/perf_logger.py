@@ -1,3 +1,4 @@
+# Copied from common/perf_logger.py — edit the source, then run ci/check_copies.py --fix
 """Training metrics: progress bar, loss/throughput/MFU logging, Weights & Biases, summary.json, profiler window.
 
 The hot loop must not wait for the GPU, so per-step values (loss, token counts, attention work) are accumulated as

@@ -1,14 +1,16 @@
+# Copied from common/quantization.py — edit the source, then run ci/check_copies.py --fix
 """Low-precision training settings: which TransformerEngine recipe, and which layers run in FP8 or FP4.
 
 The config groups (see ``hydra_config/defaults.yaml``)::
 
-    fp8_config: {enabled, fp8_recipe, fp8_format, fp8_recipe_kwargs, fp8_layers}
+    fp8_config: {enabled, fp8_recipe, fp8_format, fp8_recipe_kwargs, fp8_layers, keep_first_last_bf16}
     fp4_config: {enabled, fp4_recipe, fp4_format, fp4_recipe_kwargs, fp4_layers}
 
 become a :class:`QuantizationPlan`: one ``layer_precision`` entry per transformer layer (``"fp8"``, ``"fp4"`` or
 None for bf16) that goes into the model config, plus the recipe objects the model applies per layer.
 
-Layer lists are 1-indexed, as people count layers. With only one format enabled, an empty list means "every
+Layer lists are 1-indexed, as people count layers. ``fp8_config.keep_first_last_bf16: N`` is the other way to
+choose FP8 layers: layers ``N+1 .. L-N`` in FP8, the first and last N in bf16. With only one format enabled, an empty list means "every
 layer". With both enabled, the one left empty claims every layer the other does not list. TransformerEngine is
 imported only when a format is enabled, so this module works on machines without it.
 """
@@ -117,11 +119,36 @@ def build_recipe(name: str, fmt: str | None, kwargs: Mapping[str, Any] | None, a
     return recipe_class(**arguments)
 
 
+def fp8_layers_keeping_first_last_bf16(num_layers: int, keep: int) -> list[int]:
+    """The 1-indexed FP8 layers when the first ``keep`` and the last ``keep`` layers stay in bf16.
+
+    The first layers see raw embeddings and the last ones feed the output head: their activations have the widest
+    dynamic range, where FP8's 3-bit mantissa costs the most accuracy (a common stabiliser for FP8 pre-training).
+    """
+    if isinstance(keep, bool) or not isinstance(keep, int) or keep < 0:
+        raise ValueError(f"fp8_config.keep_first_last_bf16 must be an integer >= 0, got {keep!r}")
+    if 2 * keep >= num_layers:
+        raise ValueError(f"fp8_config.keep_first_last_bf16={keep} leaves no FP8 layer in a {num_layers}-layer model")
+    return list(range(keep + 1, num_layers - keep + 1))
+
+
+def _fp8_layers(fp8_config: Mapping[str, Any], num_layers: int) -> Sequence[int] | None:
+    """``fp8_layers`` as given, or the list that ``keep_first_last_bf16`` stands for."""
+    keep = fp8_config.get("keep_first_last_bf16") or 0
+    if not keep:
+        return fp8_config.get("fp8_layers")
+    if not fp8_config["enabled"]:
+        raise ValueError("fp8_config.keep_first_last_bf16 is set but fp8_config.enabled is false")
+    if fp8_config.get("fp8_layers"):
+        raise ValueError("set either fp8_config.fp8_layers or fp8_config.keep_first_last_bf16, not both")
+    return fp8_layers_keeping_first_last_bf16(num_layers, keep)
+
+
 def build_quantization(fp8_config: Mapping[str, Any], fp4_config: Mapping[str, Any], num_layers: int):
     """The :class:`QuantizationPlan` for a model with ``num_layers`` transformer layers."""
     fp8_enabled, fp4_enabled = bool(fp8_config["enabled"]), bool(fp4_config["enabled"])
     layer_precision = resolve_layer_precision(
-        num_layers, fp8_enabled, fp8_config.get("fp8_layers"), fp4_enabled, fp4_config.get("fp4_layers")
+        num_layers, fp8_enabled, _fp8_layers(fp8_config, num_layers), fp4_enabled, fp4_config.get("fp4_layers")
     )
     if layer_precision is None:
         return QuantizationPlan(layer_precision=None)

@@ -5,7 +5,9 @@ TransformerEngine), and FSDP2 shards the weights over all GPUs. For sequences to
 
 Needs THD input. On GPUs the TE backend runs ring attention; on CPU processes the torch backend all-gathers Q/K/V
 and gives the same numbers (how CI tests this script). Reads top to bottom like train_fsdp2.py; what differs is the
-(dp, cp) mesh, the CP group handed to the model, and CP-sharded batches.
+(dp, cp) mesh, the CP group handed to the model (``model_setup.build_model``), and the batches: the loader yields
+full batches with every sequence padded for CP (all ranks of a CP group read the same ones), and each rank keeps
+its own share of every sequence right before the forward pass.
 """
 
 import logging
@@ -13,23 +15,18 @@ from pathlib import Path
 
 import hydra
 import torch
-import torch.distributed as dist
 from checkpoint import Checkpointer, export_final_model, gather_full_state_dict
+from collator import count_targets
+from context_parallel import shard_for_context_parallel
 from dataset import create_dataloader
 from distributed import build_meshes, cleanup_distributed, move_to_device, setup_distributed
-from model_setup import (
-    apply_pretrained_weights,
-    config_name,
-    load_model_config,
-    load_pretrained_state_dict,
-    recipe_path,
-)
-from modeling_esm_te import NVEsmForMaskedLM
+from grad_accumulation import token_weights
+from model_setup import build_model
 from omegaconf import DictConfig, OmegaConf
-from perf_logger import ModelFlops, PerfLogger, Profiler
+from perf_logger import PerfLogger, Profiler
 from quant_stats import QuantStats
+from recipe_paths import config_name, recipe_path
 from scheduler import get_linear_schedule_with_warmup
-from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 from transformers import AutoTokenizer
 
 
@@ -46,38 +43,16 @@ def main(cfg: DictConfig) -> None:
     torch.manual_seed(cfg.seed)
     meshes = build_meshes(dist_config, device, cp_size=cfg.cp_size)
 
+    # The model as in train_fsdp2.py, sharded over all ranks (dp x cp: CP ranks hold the same weights, so sharding
+    # over them too only saves memory), its attention split over this rank's CP group.
     tokenizer = AutoTokenizer.from_pretrained(recipe_path(cfg.tokenizer_path))
-    config, plan = load_model_config(cfg)
     quant_stats = QuantStats.start(cfg.quant_stats, cfg.output_dir)  # before TE builds its first layer
-    use_bf16 = cfg.mixed_precision.enabled and (device.type == "cuda" or cfg.mixed_precision.on_cpu)
-    with torch.device("meta" if cfg.fsdp.use_meta_device else device):
-        model = NVEsmForMaskedLM(config, fp8_recipe=plan.fp8_recipe, fp4_recipe=plan.fp4_recipe)
-    if use_bf16 and not cfg.mixed_precision.fp32_master_weights:
-        model.to(torch.bfloat16)
-    quant_stats.watch(model)
-    model_flops = ModelFlops.from_model(model, config.num_hidden_layers, config.hidden_size)
-
-    # Every attention layer exchanges K/V blocks with the other ranks of this rank's CP group.
-    cp_group = meshes.cp.get_group() if meshes.cp is not None else None
-    if cp_group is not None:
-        cp_stream = torch.cuda.Stream() if device.type == "cuda" else None
-        model.esm.set_context_parallel_group(cp_group, dist.get_process_group_ranks(cp_group), cp_stream)
-
-    mp_policy = MixedPrecisionPolicy()
-    if use_bf16 and cfg.mixed_precision.fp32_master_weights:
-        mp_policy = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
-    for layer in model.esm.encoder.layers:
-        fully_shard(layer, mesh=meshes.fsdp, mp_policy=mp_policy, reshard_after_forward=cfg.fsdp.reshard_after_forward)
-    fully_shard(model, mesh=meshes.fsdp, mp_policy=mp_policy, reshard_after_forward=cfg.fsdp.reshard_after_forward)
-    if cfg.fsdp.use_meta_device:
-        model.init_empty_weights(device)
-    apply_pretrained_weights(model, load_pretrained_state_dict(cfg))  # fine-tuning: every rank's shards
-    train_model = torch.compile(model) if cfg.use_torch_compile else model
+    built = build_model(cfg, device, meshes, strategy="fsdp2", quant_stats=quant_stats)
+    model = built.model
 
     optimizer = torch.optim.AdamW(model.parameters(), **cfg.adamw_kwargs, fused=device.type == "cuda")
     scheduler = get_linear_schedule_with_warmup(optimizer, **cfg.lr_scheduler_kwargs)
-    # All CP ranks of a DP group read the same sequences; the loader hands each its own CP shard of them.
-    cp_rank = meshes.cp.get_local_rank() if meshes.cp is not None else None
+    # All CP ranks of a DP group read the same sequences (full batches); each keeps its own share of them below.
     dataloader = create_dataloader(
         cfg.dataset,
         tokenizer,
@@ -85,8 +60,8 @@ def main(cfg: DictConfig) -> None:
         dp_world_size=meshes.dp_size,
         seed=cfg.seed,
         cp_size=cfg.cp_size,
-        cp_rank=cp_rank,
     )
+    cp_rank = meshes.cp.get_local_rank() if meshes.cp is not None else None  # None: cp_size=1, nothing to split
 
     checkpointer = Checkpointer(
         cfg.checkpoint.ckpt_dir,
@@ -101,22 +76,27 @@ def main(cfg: DictConfig) -> None:
         batches = iter(dataloader)
 
     perf = PerfLogger(
-        cfg, model_flops, tokenizer.pad_token_id, start_step, cp_size=cfg.cp_size, config_name=config_name()
+        cfg, built.model_flops, tokenizer.pad_token_id, start_step, cp_size=cfg.cp_size, config_name=config_name()
     )
     profiler = Profiler(cfg.profiler, cfg.output_dir)
-    train_model.train()
+    built.train_model.train()
     step = start_step
     for step in range(start_step + 1, cfg.num_train_steps + 1):
         with profiler.step_context(step):
             step_loss = torch.zeros((), device=device)
-            for micro_step in range(cfg.grad_acc_steps):
-                batch = move_to_device(next(batches), device)
+            # Weights come from the full batches (masked tokens before the CP split), so every rank of a CP group
+            # uses the same ones.
+            micro_batches = [next(batches) for _ in range(cfg.grad_acc_steps)]
+            weights = token_weights([count_targets(batch) for batch in micro_batches])
+            for micro_step, full_batch in enumerate(micro_batches):
+                batch = full_batch if cp_rank is None else shard_for_context_parallel(full_batch, cp_rank, cfg.cp_size)
+                batch = move_to_device(batch, device)
                 perf.count_batch(batch)
-                model.set_requires_gradient_sync(micro_step == cfg.grad_acc_steps - 1)
                 # A CP shard may hold few or no labels, so the model reduces the loss over the CP group: its value is
                 # the group's mean, its gradient scaled by cp_size to survive FSDP's average over dp x cp ranks.
-                loss = train_model(**batch).loss / cfg.grad_acc_steps
-                loss.backward()
+                with built.gradient_sync(micro_step == cfg.grad_acc_steps - 1):
+                    loss = built.train_model(**batch).loss * weights[micro_step]
+                    loss.backward()
                 step_loss += loss.detach()
 
             grad_norm = torch.nn.utils.clip_grad_norm_(model.parameters(), cfg.max_grad_norm)

@@ -3,32 +3,27 @@
     python train_ddp.py                                   # one process (CPU or one GPU), the L0 sanity config
     torchrun --nproc_per_node=8 train_ddp.py --config-name L1_650M
 
-Reads top to bottom: set up processes, build the model, wrap it, build optimizer/scheduler/data, resume, train,
-export. Every key it reads is documented in hydra_config/defaults.yaml.
+Reads top to bottom: set up processes, build and wrap the model (``model_setup.build_model``), build
+optimizer/scheduler/data, resume, train, export. Every key it reads is documented in hydra_config/defaults.yaml.
 """
 
 import logging
-from contextlib import nullcontext
 from pathlib import Path
 
 import hydra
 import torch
 from checkpoint import Checkpointer, export_final_model, gather_full_state_dict
+from collator import count_targets
 from dataset import create_dataloader
 from distributed import cleanup_distributed, move_to_device, setup_distributed
-from model_setup import (
-    apply_pretrained_weights,
-    config_name,
-    load_model_config,
-    load_pretrained_state_dict,
-    recipe_path,
-)
-from modeling_esm_te import NVEsmForMaskedLM
+from grad_accumulation import token_weights
+from mixed_precision import computes_in_bf16
+from model_setup import build_model
 from omegaconf import DictConfig, OmegaConf
-from perf_logger import ModelFlops, PerfLogger, Profiler
+from perf_logger import PerfLogger, Profiler
 from quant_stats import QuantStats
+from recipe_paths import config_name, recipe_path
 from scheduler import get_linear_schedule_with_warmup
-from torch.nn.parallel import DistributedDataParallel
 from transformers import AutoTokenizer
 
 
@@ -44,25 +39,13 @@ def main(cfg: DictConfig) -> None:
     logger.info("Config:\n%s", OmegaConf.to_yaml(cfg))
     torch.manual_seed(cfg.seed)
 
-    # Model: the same random init on every rank (same seed); DDP also broadcasts rank 0's weights.
+    # Model: the same random init on every rank (same seed), or the weights in model_tag with init_from_pretrained,
+    # wrapped in DDP when launched by torchrun.
     tokenizer = AutoTokenizer.from_pretrained(recipe_path(cfg.tokenizer_path))
-    config, plan = load_model_config(cfg)
     quant_stats = QuantStats.start(cfg.quant_stats, cfg.output_dir)  # before TE builds its first layer
-    model = NVEsmForMaskedLM(config, fp8_recipe=plan.fp8_recipe, fp4_recipe=plan.fp4_recipe).to(device)
-    apply_pretrained_weights(model, load_pretrained_state_dict(cfg))  # fine-tuning: init_from_pretrained=true
-    quant_stats.watch(model)
-    model_flops = ModelFlops.from_model(model, config.num_hidden_layers, config.hidden_size)
-    logger.info("Model: %s backend, %.1fM parameters", model.backend, sum(p.numel() for p in model.parameters()) / 1e6)
-
-    # The model's buffers (rotary frequencies, contact-head weights) never change: no per-step broadcast.
-    ddp = None
-    if dist_config.launched_by_torchrun:
-        device_ids = [device.index] if device.type == "cuda" else None
-        ddp = DistributedDataParallel(model, device_ids=device_ids, broadcast_buffers=False)
-    ddp_model = ddp or model
-    if cfg.use_torch_compile:
-        ddp_model = torch.compile(ddp_model)
-    use_bf16 = cfg.mixed_precision.enabled and (device.type == "cuda" or cfg.mixed_precision.on_cpu)
+    built = build_model(cfg, device, meshes=None, strategy="ddp", quant_stats=quant_stats)
+    model = built.model
+    use_bf16 = computes_in_bf16(cfg.mixed_precision, device)
 
     # Optimizer, schedule, data.
     optimizer = torch.optim.AdamW(model.parameters(), **cfg.adamw_kwargs, fused=device.type == "cuda")
@@ -79,22 +62,24 @@ def main(cfg: DictConfig) -> None:
     with torch.random.fork_rng(devices=[]):  # making the iterator draws from the RNG; keep resumed runs identical
         batches = iter(dataloader)
 
-    perf = PerfLogger(cfg, model_flops, tokenizer.pad_token_id, start_step, config_name=config_name())
+    perf = PerfLogger(cfg, built.model_flops, tokenizer.pad_token_id, start_step, config_name=config_name())
     profiler = Profiler(cfg.profiler, cfg.output_dir)
-    ddp_model.train()
+    built.train_model.train()
     step = start_step
     for step in range(start_step + 1, cfg.num_train_steps + 1):
         with profiler.step_context(step):
             step_loss = torch.zeros((), device=device)
-            for micro_step in range(cfg.grad_acc_steps):
-                batch = move_to_device(next(batches), device)
+            # Weight each micro-batch by its share of the step's masked tokens: k micro-batches then give the
+            # gradient of one batch holding all of them, however many tokens the masking picked in each.
+            micro_batches = [next(batches) for _ in range(cfg.grad_acc_steps)]
+            weights = token_weights([count_targets(batch) for batch in micro_batches])
+            for micro_step, batch in enumerate(micro_batches):
+                batch = move_to_device(batch, device)
                 perf.count_batch(batch)
                 # Gradients are all-reduced only on the last micro-batch; earlier ones accumulate locally.
-                last = micro_step == cfg.grad_acc_steps - 1
-                sync = nullcontext() if last or ddp is None else ddp.no_sync()
-                with sync:
+                with built.gradient_sync(micro_step == cfg.grad_acc_steps - 1):
                     with torch.autocast(device.type, dtype=torch.bfloat16, enabled=use_bf16):
-                        loss = ddp_model(**batch).loss / cfg.grad_acc_steps
+                        loss = built.train_model(**batch).loss * weights[micro_step]
                     loss.backward()
                 step_loss += loss.detach()
 

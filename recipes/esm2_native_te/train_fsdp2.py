@@ -4,8 +4,8 @@ sharded over all GPUs, and each transformer layer is gathered only while it comp
     python train_fsdp2.py                                 # one process (CPU or one GPU), the L0 sanity config
     torchrun --nproc_per_node=8 train_fsdp2.py --config-name L1_3B
 
-Reads top to bottom: mesh, model on the meta device, shard, materialise, optimizer/scheduler/data, resume, train,
-export. Every key it reads is documented in hydra_config/defaults.yaml.
+Reads top to bottom: mesh, model (``model_setup.build_model``: meta device, shard, materialise, pretrained weights),
+optimizer/scheduler/data, resume, train, export. Every key it reads is documented in hydra_config/defaults.yaml.
 """
 
 import logging
@@ -14,21 +14,16 @@ from pathlib import Path
 import hydra
 import torch
 from checkpoint import Checkpointer, export_final_model, gather_full_state_dict
+from collator import count_targets
 from dataset import create_dataloader
 from distributed import build_meshes, cleanup_distributed, move_to_device, setup_distributed
-from model_setup import (
-    apply_pretrained_weights,
-    config_name,
-    load_model_config,
-    load_pretrained_state_dict,
-    recipe_path,
-)
-from modeling_esm_te import NVEsmForMaskedLM
+from grad_accumulation import token_weights
+from model_setup import build_model
 from omegaconf import DictConfig, OmegaConf
-from perf_logger import ModelFlops, PerfLogger, Profiler
+from perf_logger import PerfLogger, Profiler
 from quant_stats import QuantStats
+from recipe_paths import config_name, recipe_path
 from scheduler import get_linear_schedule_with_warmup
-from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 from transformers import AutoTokenizer
 
 
@@ -45,31 +40,13 @@ def main(cfg: DictConfig) -> None:
     torch.manual_seed(cfg.seed)
     meshes = build_meshes(dist_config, device)
 
-    # Model on the meta device: no memory until each rank materialises its own shards below.
+    # Model on the meta device, each layer then the root sharded, each rank materialising only its own shards (or
+    # loading them from model_tag with init_from_pretrained). fp32 master weights are cast to bf16 per layer for
+    # compute, and gradients are reduced in fp32.
     tokenizer = AutoTokenizer.from_pretrained(recipe_path(cfg.tokenizer_path))
-    config, plan = load_model_config(cfg)
     quant_stats = QuantStats.start(cfg.quant_stats, cfg.output_dir)  # before TE builds its first layer
-    use_bf16 = cfg.mixed_precision.enabled and (device.type == "cuda" or cfg.mixed_precision.on_cpu)
-    with torch.device("meta" if cfg.fsdp.use_meta_device else device):
-        model = NVEsmForMaskedLM(config, fp8_recipe=plan.fp8_recipe, fp4_recipe=plan.fp4_recipe)
-    if use_bf16 and not cfg.mixed_precision.fp32_master_weights:
-        model.to(torch.bfloat16)  # bf16 weights and optimizer state: less memory, no fp32 master copy
-    quant_stats.watch(model)
-    model_flops = ModelFlops.from_model(model, config.num_hidden_layers, config.hidden_size)
-    logger.info("Model: %s backend, %.1fM parameters", model.backend, sum(p.numel() for p in model.parameters()) / 1e6)
-
-    # Shard each transformer layer, then the root (embeddings, LM head). fp32 master weights are cast to bf16 per
-    # layer for compute, and gradients are reduced in fp32.
-    mp_policy = MixedPrecisionPolicy()
-    if use_bf16 and cfg.mixed_precision.fp32_master_weights:
-        mp_policy = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
-    for layer in model.esm.encoder.layers:
-        fully_shard(layer, mesh=meshes.fsdp, mp_policy=mp_policy, reshard_after_forward=cfg.fsdp.reshard_after_forward)
-    fully_shard(model, mesh=meshes.fsdp, mp_policy=mp_policy, reshard_after_forward=cfg.fsdp.reshard_after_forward)
-    if cfg.fsdp.use_meta_device:
-        model.init_empty_weights(device)
-    apply_pretrained_weights(model, load_pretrained_state_dict(cfg))  # fine-tuning: every rank's shards
-    train_model = torch.compile(model) if cfg.use_torch_compile else model
+    built = build_model(cfg, device, meshes, strategy="fsdp2", quant_stats=quant_stats)
+    model = built.model
 
     # Optimizer, schedule, data (each data-parallel rank reads its own shard).
     optimizer = torch.optim.AdamW(model.parameters(), **cfg.adamw_kwargs, fused=device.type == "cuda")
@@ -91,20 +68,24 @@ def main(cfg: DictConfig) -> None:
     with torch.random.fork_rng(devices=[]):  # making the iterator draws from the RNG; keep resumed runs identical
         batches = iter(dataloader)
 
-    perf = PerfLogger(cfg, model_flops, tokenizer.pad_token_id, start_step, config_name=config_name())
+    perf = PerfLogger(cfg, built.model_flops, tokenizer.pad_token_id, start_step, config_name=config_name())
     profiler = Profiler(cfg.profiler, cfg.output_dir)
-    train_model.train()
+    built.train_model.train()
     step = start_step
     for step in range(start_step + 1, cfg.num_train_steps + 1):
         with profiler.step_context(step):
             step_loss = torch.zeros((), device=device)
-            for micro_step in range(cfg.grad_acc_steps):
-                batch = move_to_device(next(batches), device)
+            # Weight each micro-batch by its share of the step's masked tokens: k micro-batches then give the
+            # gradient of one batch holding all of them, however many tokens the masking picked in each.
+            micro_batches = [next(batches) for _ in range(cfg.grad_acc_steps)]
+            weights = token_weights([count_targets(batch) for batch in micro_batches])
+            for micro_step, batch in enumerate(micro_batches):
+                batch = move_to_device(batch, device)
                 perf.count_batch(batch)
                 # Reduce-scatter gradients only after the last micro-batch; earlier ones accumulate unsharded.
-                model.set_requires_gradient_sync(micro_step == cfg.grad_acc_steps - 1)
-                loss = train_model(**batch).loss / cfg.grad_acc_steps
-                loss.backward()
+                with built.gradient_sync(micro_step == cfg.grad_acc_steps - 1):
+                    loss = built.train_model(**batch).loss * weights[micro_step]
+                    loss.backward()
                 step_loss += loss.detach()
 
             grad_norm = torch.nn.utils.clip_grad_norm_(model.parameters(), cfg.max_grad_norm)

@@ -1,7 +1,7 @@
-"""Causal-LM labels and batch collation for genomic Llama pre-training: windows, BSHD padding, THD packing.
+"""Causal-LM labels and batch collation for genomic Llama pre-training: pad (BSHD) or pack (THD) windows.
 
 A *window* is a 1-D array of token ids cut from one tokenized sequence (``<bos>`` + bases + ``<eos>``) by
-:func:`window_starts`. Labels are the input tokens themselves (the model shifts them inside, per sequence), with
+``sequence_windows.window_starts``. Labels are the input tokens themselves (the model shifts them inside, per sequence), with
 two genomic twists:
 
 - ``uppercase_labels``: soft-masked (lowercase) bases are predicted as their uppercase base, so the model is not
@@ -12,7 +12,8 @@ two genomic twists:
 Packing (THD) concatenates windows into exactly ``token_budget`` tokens: a window that does not fit is split, its
 head ends this batch and its tail starts the next one (as its own sequence, so attention never crosses).
 
-Context-parallel batches are built from the THD batches made here, in ``context_parallel.py``.
+Context-parallel batches are padded from the THD batches made here, in ``context_parallel.py``. The scored-token
+counts of :func:`count_targets` weight the micro-batches of a step (``grad_accumulation.token_weights``).
 """
 
 from collections.abc import Iterable, Iterator
@@ -25,23 +26,10 @@ IGNORE_INDEX = -100
 BASES = "ACGT"
 
 
-def window_starts(length: int, window: int, overlap: int) -> list[int]:
-    """Start offsets of windows of ``window`` tokens, ``window - overlap`` apart, that together cover ``length``.
-
-    The last window ends exactly at ``length`` (it may overlap its neighbour by more than ``overlap``), so no
-    window is short unless the whole sequence is.
-    """
-    if window <= 0:
-        raise ValueError(f"window must be positive, got {window}")
-    if not 0 <= overlap < window:
-        raise ValueError(f"overlap must be in [0, window), got overlap={overlap}, window={window}")
-    if length <= window:
-        return [0]
-    stride = window - overlap
-    starts = list(range(0, length - window + 1, stride))
-    if starts[-1] + window < length:
-        starts.append(length - window)
-    return starts
+def pad_token_id(tokenizer) -> int:
+    """What padding looks like in a batch: the tokenizer's pad token, or ``<eos>`` for tokenizers without one
+    (Llama 3's). Padding is never a target anyway."""
+    return tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
 
 
 class LabelMaker:
@@ -149,10 +137,3 @@ def count_targets(batch: dict) -> int:
     lengths = batch["attention_mask"].sum(dim=1, keepdim=True)  # right padding: real tokens come first
     first = torch.arange(labels.shape[1]) == 0
     return int(((labels != IGNORE_INDEX) & ~first & (torch.arange(labels.shape[1]) < lengths)).sum())
-
-
-def token_weights(micro_batches: list[dict]) -> list[float]:
-    """Each micro-batch's share of the scored tokens of an optimizer step (equal shares when none has any)."""
-    counts = [count_targets(batch) for batch in micro_batches]
-    total = sum(counts)
-    return [count / total for count in counts] if total else [1 / len(counts)] * len(counts)

@@ -6,7 +6,7 @@ keys of the ``dataset:`` group in ``hydra_config/defaults.yaml`` (unknown keys a
 Sources: FASTA (``.fa``, ``.fasta``, ``.fna``, optionally ``.gz``), Parquet, or JSON lines (``.jsonl``, ``.jsonl.gz``)
 with the sequence in ``sequence_column``; a path may be a file, a directory or a glob. Every sequence is tokenized
 once (``<bos>`` + bases + ``<eos>``) and cut into windows of ``max_seq_length`` tokens that overlap by
-``window_overlap`` tokens (see ``collator.window_starts``). The recipe keeps the tokens in memory (one byte per
+``window_overlap`` tokens (see ``sequence_windows.window_starts``). The recipe keeps the tokens in memory (one byte per
 base): fine for the benchmark and sanity data; stream a larger corpus through your own loader.
 
 Order: every epoch permutes all windows with ``seed + epoch``; rank ``r`` of ``n`` takes every n-th window of that
@@ -27,8 +27,9 @@ from typing import Any
 import numpy as np
 import pyarrow.parquet as pq
 import torch
-from collator import LabelMaker, collate_bshd, collate_thd, pack_windows, window_starts
+from collator import LabelMaker, collate_bshd, collate_thd, pack_windows, pad_token_id
 from context_parallel import context_parallel_batch
+from sequence_windows import window_starts
 from torchdata.stateful_dataloader import StatefulDataLoader
 
 
@@ -169,6 +170,8 @@ class GenomicBatches(torch.utils.data.IterableDataset):
     ):
         self.tokens, self.cfg, self.seed, self.cp_size = tokens, cfg, seed, cp_size
         self.dp_rank, self.dp_world_size = dp_rank, dp_world_size
+        # The tokens already hold <bos>/<eos>, so these are sequence_windows' windows, kept as (sequence, offset)
+        # pairs: nothing is copied until a window is used, and resuming replays only this index arithmetic.
         self.windows = [
             (index, start)
             for index, seq in enumerate(tokens)
@@ -177,8 +180,7 @@ class GenomicBatches(torch.utils.data.IterableDataset):
         if len(self.windows) < dp_world_size:
             raise ValueError(f"{len(self.windows)} windows cannot be split over {dp_world_size} data-parallel ranks")
         self.labels = LabelMaker(tokenizer, cfg["uppercase_labels"], cfg["mask_degenerate_bases"])
-        # Tokenizers without a pad token (Llama 3's) pad BSHD batches with <eos>; padding is never a target anyway.
-        self.pad_token_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
+        self.pad_token_id = pad_token_id(tokenizer)
         self.batches_done = 0  # the whole resumable state
 
     def _window_stream(self):
@@ -254,8 +256,9 @@ def create_dataloader(
 ):
     """A ``StatefulDataLoader`` over this rank's batches: save ``state_dict()`` with a checkpoint to resume exactly.
 
-    With ``cp_size > 1`` it yields full context-parallel batches (see ``collator``); every rank of a CP group reads
-    the same ones (same ``dp_rank``) and keeps its own shard with ``collator.shard_for_context_parallel``.
+    With ``cp_size > 1`` it yields full context-parallel batches (``context_parallel.context_parallel_batch``); every
+    rank of a CP group reads the same ones (same ``dp_rank``), and the training loop keeps its own share with
+    ``context_parallel.shard_for_context_parallel``.
     """
     cfg = validate_data_config(data_cfg)
     if cp_size > 1 and cfg["input_format"] != "thd":

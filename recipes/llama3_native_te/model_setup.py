@@ -1,20 +1,54 @@
-"""What every entrypoint needs before it builds the model: recipe-relative paths, the model config with this run's
-overrides and its per-layer FP8/FP4 plan, and the name of the Hydra config that is running."""
+"""Building the model, the one way every entrypoint does it: config, precision plan, construction, sharding, init.
 
-from pathlib import Path
+``build_model(cfg, device, meshes, strategy)`` returns a :class:`BuiltModel`. Strategies:
 
-import hydra
-from modeling_llama_te import NVLlamaConfig
+- ``"ddp"``: the whole model on every rank, wrapped in ``DistributedDataParallel`` when launched by torchrun;
+- ``"fsdp2"``: each transformer layer, then the root (embeddings, final norm, LM head), sharded with
+  ``fully_shard`` and the one mixed-precision policy (``mixed_precision.mixed_precision_policy``); built on the
+  meta device when ``fsdp.use_meta_device``, so each rank materialises only its own shards. With ``meshes.cp`` the
+  model's attention is split over that context-parallel group.
+"""
+
+import contextlib
+import logging
+from dataclasses import dataclass
+
+import torch
+import torch.distributed as dist
+from distributed import Meshes
+from mixed_precision import computes_in_bf16, keeps_fp32_master_weights, mixed_precision_policy
+from modeling_llama_te import NVLlamaConfig, NVLlamaForCausalLM
 from omegaconf import DictConfig, OmegaConf
+from perf_logger import ModelFlops
 from quantization import QuantizationPlan, build_quantization
+from recipe_paths import recipe_path
+from torch.distributed.fsdp import fully_shard
+from torch.nn.parallel import DistributedDataParallel
 
 
-RECIPE_DIR = Path(__file__).resolve().parent
+logger = logging.getLogger(__name__)
+
+STRATEGIES = ("ddp", "fsdp2")
 
 
-def recipe_path(path: str) -> Path:
-    """A path as given when it exists from the working directory, else relative to this recipe folder."""
-    return Path(path) if Path(path).exists() or Path(path).is_absolute() else RECIPE_DIR / path
+@dataclass
+class BuiltModel:
+    """What the entrypoints use of the model."""
+
+    model: NVLlamaForCausalLM  # parameters for the optimizer, checkpoints and export (sharded in place by FSDP2)
+    train_model: torch.nn.Module  # what the loop calls: the DDP wrapper and/or torch.compile of ``model``
+    config: NVLlamaConfig
+    plan: QuantizationPlan
+    model_flops: ModelFlops
+    strategy: str
+    ddp: DistributedDataParallel | None = None
+
+    def gradient_sync(self, enabled: bool) -> contextlib.AbstractContextManager:
+        """Reduce gradients in this backward (``enabled``) or only accumulate them locally (earlier micro-batches)."""
+        if self.strategy == "fsdp2":
+            self.model.set_requires_gradient_sync(enabled)
+            return contextlib.nullcontext()
+        return self.ddp.no_sync() if self.ddp is not None and not enabled else contextlib.nullcontext()
 
 
 def load_model_config(cfg: DictConfig) -> tuple[NVLlamaConfig, QuantizationPlan]:
@@ -32,11 +66,49 @@ def load_model_config(cfg: DictConfig) -> tuple[NVLlamaConfig, QuantizationPlan]
     return config, plan
 
 
-def config_name() -> str:
-    """The Hydra config this run started from (recorded in summary.json)."""
-    return hydra.core.hydra_config.HydraConfig.get().job.config_name
+def build_model(cfg: DictConfig, device: torch.device, meshes: Meshes | None, strategy: str) -> BuiltModel:
+    """The model of this run, built, placed (and sharded) for ``strategy`` and initialised from ``cfg.seed``'s RNG.
 
+    ``meshes`` may be None for ``"ddp"`` (it uses the default process group, if any).
+    """
+    if strategy not in STRATEGIES:
+        raise ValueError(f"strategy must be one of {STRATEGIES}, got {strategy!r}")
+    config, plan = load_model_config(cfg)
+    on_meta = strategy == "fsdp2" and cfg.fsdp.use_meta_device
+    if strategy == "fsdp2":
+        with torch.device("meta" if on_meta else device):
+            model = NVLlamaForCausalLM(config, fp8_recipe=plan.fp8_recipe, fp4_recipe=plan.fp4_recipe)
+    else:
+        model = NVLlamaForCausalLM(config, fp8_recipe=plan.fp8_recipe, fp4_recipe=plan.fp4_recipe).to(device)
+    if computes_in_bf16(cfg.mixed_precision, device) and not keeps_fp32_master_weights(cfg.mixed_precision, device):
+        model.to(torch.bfloat16)  # bf16 weights and optimizer state: less memory, no fp32 master copy
+    model_flops = ModelFlops.from_model(model, config.num_hidden_layers, config.hidden_size)
+    logger.info("Model: %s backend, %.1fM parameters", model.backend, sum(p.numel() for p in model.parameters()) / 1e6)
 
-def pad_token_id(tokenizer) -> int:
-    """What padding looks like in a batch: the tokenizer's pad token, or ``<eos>`` for tokenizers without one."""
-    return tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
+    if meshes is not None and meshes.cp is not None:
+        # Every attention layer exchanges K/V blocks with the other ranks of this rank's CP group.
+        cp_group = meshes.cp.get_group()
+        cp_stream = torch.cuda.Stream() if device.type == "cuda" else None
+        model.model.set_context_parallel_group(cp_group, dist.get_process_group_ranks(cp_group), cp_stream)
+
+    ddp = None
+    if strategy == "fsdp2":
+        # FSDP2 over meshes.fsdp (dp x cp with context parallelism: CP ranks hold the same weights).
+        policy = mixed_precision_policy(cfg.mixed_precision, device)
+        reshard = cfg.fsdp.reshard_after_forward
+        for layer in model.model.layers:
+            fully_shard(layer, mesh=meshes.fsdp, mp_policy=policy, reshard_after_forward=reshard)
+        fully_shard(model, mesh=meshes.fsdp, mp_policy=policy, reshard_after_forward=reshard)
+        if on_meta:
+            model.init_empty_weights(device)
+        train_model = model
+    else:
+        # The same random init on every rank (same seed), and DDP broadcasts rank 0's weights anyway. The buffers
+        # (rotary frequencies) never change: no per-step broadcast.
+        if dist.is_initialized():
+            device_ids = [device.index] if device.type == "cuda" else None
+            ddp = DistributedDataParallel(model, device_ids=device_ids, broadcast_buffers=False)
+        train_model = ddp or model
+    if cfg.use_torch_compile:
+        train_model = torch.compile(train_model)
+    return BuiltModel(model, train_model, config, plan, model_flops, strategy, ddp)

@@ -1,4 +1,4 @@
-# Copied from models/esm2/esm2_te/packing.py — edit the source, then run ci/check_copies.py --fix
+# Copied from common/packing.py — edit the source, then run ci/check_copies.py --fix
 """Packed model inputs, shared by the NV models (ESM-2, Llama 3): every forward runs on tokens laid end to end.
 
 ``pack_inputs`` validates one of three input contracts and returns a ``PackedBatch``:

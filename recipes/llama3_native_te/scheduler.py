@@ -1,4 +1,4 @@
-# Copied from recipes/esm2_native_te/scheduler.py — edit the source, then run ci/check_copies.py --fix
+# Copied from common/scheduler.py — edit the source, then run ci/check_copies.py --fix
 """Learning-rate schedule: linear warmup, then linear decay to a floor.
 
 The schedule is independent of ``num_train_steps`` on purpose: a run that stops at step N and resumes to 2N sees

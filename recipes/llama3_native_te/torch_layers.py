@@ -1,5 +1,4 @@
-# Copied from models/llama3/llama3_te/torch_layers.py — edit the source, then run ci/check_copies.py --fix
-# Copied from models/esm2/esm2_te/torch_layers.py — edit the source, then run ci/check_copies.py --fix
+# Copied from common/torch_layers.py — edit the source, then run ci/check_copies.py --fix
 """Pure-PyTorch twins of the TransformerEngine layers this project uses.
 
 Each class here has the constructor arguments (the subset we use), parameter names, state-dict keys and

@@ -15,18 +15,17 @@ from pathlib import Path
 
 import hydra
 import torch
-import torch.distributed as dist
 from checkpoint import Checkpointer, export_final_model, gather_full_state_dict
-from collator import token_weights
+from collator import count_targets, pad_token_id
 from context_parallel import shard_for_context_parallel
 from dataset import create_dataloader
 from distributed import build_meshes, cleanup_distributed, move_to_device, setup_distributed
-from model_setup import config_name, load_model_config, pad_token_id, recipe_path
-from modeling_llama_te import NVLlamaForCausalLM
+from grad_accumulation import token_weights
+from model_setup import build_model
 from omegaconf import DictConfig, OmegaConf
-from perf_logger import ModelFlops, PerfLogger, Profiler
+from perf_logger import PerfLogger, Profiler
+from recipe_paths import config_name, recipe_path
 from scheduler import get_linear_schedule_with_warmup
-from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 from transformers import AutoTokenizer
 
 
@@ -45,31 +44,11 @@ def main(cfg: DictConfig) -> None:
     torch.manual_seed(cfg.seed)
     meshes = build_meshes(dist_config, device, cp_size=cfg.cp_size)
 
+    # The model as in train_fsdp2.py, sharded over all ranks (dp x cp: CP ranks hold the same weights, so sharding
+    # over them too only saves memory), its attention split over this rank's CP group.
     tokenizer = AutoTokenizer.from_pretrained(recipe_path(cfg.tokenizer_path))
-    config, plan = load_model_config(cfg)
-    use_bf16 = cfg.mixed_precision.enabled and (device.type == "cuda" or cfg.mixed_precision.on_cpu)
-    with torch.device("meta" if cfg.fsdp.use_meta_device else device):
-        model = NVLlamaForCausalLM(config, fp8_recipe=plan.fp8_recipe, fp4_recipe=plan.fp4_recipe)
-    if use_bf16 and not cfg.mixed_precision.fp32_master_weights:
-        model.to(torch.bfloat16)
-    model_flops = ModelFlops.from_model(model, config.num_hidden_layers, config.hidden_size)
-    logger.info("Model: %s backend, %.1fM parameters", model.backend, sum(p.numel() for p in model.parameters()) / 1e6)
-
-    # Every attention layer exchanges K/V blocks with the other ranks of this rank's CP group.
-    cp_group = meshes.cp.get_group()
-    cp_stream = torch.cuda.Stream() if device.type == "cuda" else None
-    model.model.set_context_parallel_group(cp_group, dist.get_process_group_ranks(cp_group), cp_stream)
-
-    # FSDP2 over all ranks (dp x cp): CP ranks hold the same weights, so sharding over them too only saves memory.
-    mp_policy = MixedPrecisionPolicy()
-    if use_bf16 and cfg.mixed_precision.fp32_master_weights:
-        mp_policy = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
-    for layer in model.model.layers:
-        fully_shard(layer, mesh=meshes.fsdp, mp_policy=mp_policy, reshard_after_forward=cfg.fsdp.reshard_after_forward)
-    fully_shard(model, mesh=meshes.fsdp, mp_policy=mp_policy, reshard_after_forward=cfg.fsdp.reshard_after_forward)
-    if cfg.fsdp.use_meta_device:
-        model.init_empty_weights(device)
-    train_model = torch.compile(model) if cfg.use_torch_compile else model
+    built = build_model(cfg, device, meshes, strategy="fsdp2")
+    model = built.model
 
     optimizer = torch.optim.AdamW(model.parameters(), **cfg.adamw_kwargs, fused=device.type == "cuda")
     scheduler = get_linear_schedule_with_warmup(optimizer, **cfg.lr_scheduler_kwargs)
@@ -97,25 +76,25 @@ def main(cfg: DictConfig) -> None:
         batches = iter(dataloader)
 
     perf = PerfLogger(
-        cfg, model_flops, pad_token_id(tokenizer), start_step, cp_size=cfg.cp_size, config_name=config_name()
+        cfg, built.model_flops, pad_token_id(tokenizer), start_step, cp_size=cfg.cp_size, config_name=config_name()
     )
     profiler = Profiler(cfg.profiler, cfg.output_dir)
-    train_model.train()
+    built.train_model.train()
     step = start_step
     for step in range(start_step + 1, cfg.num_train_steps + 1):
         with profiler.step_context(step):
             step_loss = torch.zeros((), device=device)
             # Weights come from the full batches, so every rank of a CP group uses the same ones.
             micro_batches = [next(batches) for _ in range(cfg.grad_acc_steps)]
-            weights = token_weights(micro_batches)
+            weights = token_weights([count_targets(batch) for batch in micro_batches])
             for micro_step, full_batch in enumerate(micro_batches):
                 batch = move_to_device(shard_for_context_parallel(full_batch, cp_rank, cfg.cp_size), device)
                 perf.count_batch(batch)
-                model.set_requires_gradient_sync(micro_step == cfg.grad_acc_steps - 1)
                 # The model reduces the loss over the CP group: its value is the group's mean, its gradient scaled
                 # by cp_size so that FSDP's average over dp x cp ranks gives the average over dp of those means.
-                loss = train_model(**batch).loss * weights[micro_step]
-                loss.backward()
+                with built.gradient_sync(micro_step == cfg.grad_acc_steps - 1):
+                    loss = built.train_model(**batch).loss * weights[micro_step]
+                    loss.backward()
                 step_loss += loss.detach()
 
             grad_norm = torch.nn.utils.clip_grad_norm_(model.parameters(), cfg.max_grad_norm)

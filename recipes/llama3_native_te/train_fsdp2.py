@@ -4,8 +4,8 @@ state are sharded over all GPUs, and each transformer layer is gathered only whi
     python train_fsdp2.py                                 # one process (CPU or one GPU), the L0 sanity config
     torchrun --nproc_per_node=8 train_fsdp2.py --config-name L1_8B_perf dataset.path=/data/genome.fasta
 
-Reads top to bottom: mesh, model on the meta device, shard, materialise, optimizer/scheduler/data, resume, train,
-export. Every key it reads is documented in hydra_config/defaults.yaml.
+Reads top to bottom: mesh, model (``model_setup.build_model``: meta device, shard, materialise),
+optimizer/scheduler/data, resume, train, export. Every key it reads is documented in hydra_config/defaults.yaml.
 """
 
 import logging
@@ -14,15 +14,15 @@ from pathlib import Path
 import hydra
 import torch
 from checkpoint import Checkpointer, export_final_model, gather_full_state_dict
-from collator import token_weights
+from collator import count_targets, pad_token_id
 from dataset import create_dataloader
 from distributed import build_meshes, cleanup_distributed, move_to_device, setup_distributed
-from model_setup import config_name, load_model_config, pad_token_id, recipe_path
-from modeling_llama_te import NVLlamaForCausalLM
+from grad_accumulation import token_weights
+from model_setup import build_model
 from omegaconf import DictConfig, OmegaConf
-from perf_logger import ModelFlops, PerfLogger, Profiler
+from perf_logger import PerfLogger, Profiler
+from recipe_paths import config_name, recipe_path
 from scheduler import get_linear_schedule_with_warmup
-from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 from transformers import AutoTokenizer
 
 
@@ -39,28 +39,11 @@ def main(cfg: DictConfig) -> None:
     torch.manual_seed(cfg.seed)
     meshes = build_meshes(dist_config, device)
 
-    # Model on the meta device: no memory until each rank materialises its own shards below.
+    # Model on the meta device, each layer then the root sharded, each rank materialising only its own shards.
+    # fp32 master weights are cast to bf16 per layer for compute, and gradients are reduced in fp32.
     tokenizer = AutoTokenizer.from_pretrained(recipe_path(cfg.tokenizer_path))
-    config, plan = load_model_config(cfg)
-    use_bf16 = cfg.mixed_precision.enabled and (device.type == "cuda" or cfg.mixed_precision.on_cpu)
-    with torch.device("meta" if cfg.fsdp.use_meta_device else device):
-        model = NVLlamaForCausalLM(config, fp8_recipe=plan.fp8_recipe, fp4_recipe=plan.fp4_recipe)
-    if use_bf16 and not cfg.mixed_precision.fp32_master_weights:
-        model.to(torch.bfloat16)  # bf16 weights and optimizer state: less memory, no fp32 master copy
-    model_flops = ModelFlops.from_model(model, config.num_hidden_layers, config.hidden_size)
-    logger.info("Model: %s backend, %.1fM parameters", model.backend, sum(p.numel() for p in model.parameters()) / 1e6)
-
-    # Shard each transformer layer, then the root (embeddings, final norm, LM head). fp32 master weights are cast to
-    # bf16 per layer for compute, and gradients are reduced in fp32.
-    mp_policy = MixedPrecisionPolicy()
-    if use_bf16 and cfg.mixed_precision.fp32_master_weights:
-        mp_policy = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
-    for layer in model.model.layers:
-        fully_shard(layer, mesh=meshes.fsdp, mp_policy=mp_policy, reshard_after_forward=cfg.fsdp.reshard_after_forward)
-    fully_shard(model, mesh=meshes.fsdp, mp_policy=mp_policy, reshard_after_forward=cfg.fsdp.reshard_after_forward)
-    if cfg.fsdp.use_meta_device:
-        model.init_empty_weights(device)
-    train_model = torch.compile(model) if cfg.use_torch_compile else model
+    built = build_model(cfg, device, meshes, strategy="fsdp2")
+    model = built.model
 
     # Optimizer, schedule, data (each data-parallel rank reads its own shard).
     optimizer = torch.optim.AdamW(model.parameters(), **cfg.adamw_kwargs, fused=device.type == "cuda")
@@ -82,9 +65,9 @@ def main(cfg: DictConfig) -> None:
     with torch.random.fork_rng(devices=[]):  # making the iterator draws from the RNG; keep resumed runs identical
         batches = iter(dataloader)
 
-    perf = PerfLogger(cfg, model_flops, pad_token_id(tokenizer), start_step, config_name=config_name())
+    perf = PerfLogger(cfg, built.model_flops, pad_token_id(tokenizer), start_step, config_name=config_name())
     profiler = Profiler(cfg.profiler, cfg.output_dir)
-    train_model.train()
+    built.train_model.train()
     step = start_step
     for step in range(start_step + 1, cfg.num_train_steps + 1):
         with profiler.step_context(step):
@@ -92,14 +75,14 @@ def main(cfg: DictConfig) -> None:
             # Weight each micro-batch by its share of the step's scored tokens: k micro-batches then give the
             # gradient of one batch holding all of them, however the degenerate-base masking falls.
             micro_batches = [next(batches) for _ in range(cfg.grad_acc_steps)]
-            weights = token_weights(micro_batches)
+            weights = token_weights([count_targets(batch) for batch in micro_batches])
             for micro_step, batch in enumerate(micro_batches):
                 batch = move_to_device(batch, device)
                 perf.count_batch(batch)
                 # Reduce-scatter gradients only after the last micro-batch; earlier ones accumulate unsharded.
-                model.set_requires_gradient_sync(micro_step == cfg.grad_acc_steps - 1)
-                loss = train_model(**batch).loss * weights[micro_step]
-                loss.backward()
+                with built.gradient_sync(micro_step == cfg.grad_acc_steps - 1):
+                    loss = built.train_model(**batch).loss * weights[micro_step]
+                    loss.backward()
                 step_loss += loss.detach()
 
             grad_norm = torch.nn.utils.clip_grad_norm_(model.parameters(), cfg.max_grad_norm)

@@ -1,10 +1,9 @@
-"""Windows, labels and batches for autoregressive DNA pre-training.
+"""Labels and batches for autoregressive DNA pre-training: pad (BSHD) or pack (THD) windows.
 
-A sequence of bases is tokenized once and laid out as ``<bos>`` + bases + ``<eos>``; that token stream is cut into
-windows of ``window`` tokens, ``window - overlap`` apart. So ``<bos>`` appears only in the first window of a
-sequence and ``<eos>`` only in its last one: an interior window of a long contig is neither a beginning nor an end,
-and the model is never taught that genomes start or stop every 8,192 bases. The last window may be shorter than
-``window`` (it starts where the stride puts it), so no window repeats more than ``overlap`` tokens of its neighbour.
+A *window* is a 1-D array of token ids cut from one tokenized sequence (``<bos>`` + bases + ``<eos>``) by
+``sequence_windows.sequence_windows``: ``<bos>`` appears only in the first window of a sequence and ``<eos>`` only in
+its last one, so an interior window of a long contig is neither a beginning nor an end, and the model is never taught
+that genomes start or stop every 8,192 bases.
 
 Labels are the input tokens (the model shifts them inside, per packed sequence) with two genomic rules:
 
@@ -15,6 +14,9 @@ Labels are the input tokens (the model shifts them inside, per packed sequence) 
 
 THD packing lays pieces end to end in one row of exactly ``token_budget`` tokens. A piece is a window or, when a
 window does not fit, its head (the tail starts the next batch as a sequence of its own: attention never crosses).
+
+Context-parallel batches are padded from the THD batches made here, in ``context_parallel.py``. The scored-token
+counts of :func:`count_targets` weight the micro-batches of a step (``grad_accumulation.token_weights``).
 """
 
 import numpy as np
@@ -25,39 +27,10 @@ IGNORE_INDEX = -100
 BASES = "ACGT"
 
 
-def window_starts(length: int, window: int, overlap: int) -> list[int]:
-    """Offsets of the windows of ``window`` tokens, ``window - overlap`` apart, that together cover ``length``.
-
-    Windows start at 0, stride, 2 * stride, ... until one reaches the end; the last one may be short. (Moving the last
-    window back to end exactly at ``length`` would repeat almost a whole window for a sequence one token too long.)
-    """
-    if window <= 0:
-        raise ValueError(f"window must be positive, got {window}")
-    if not 0 <= overlap < window:
-        raise ValueError(f"overlap must be in [0, window), got overlap={overlap}, window={window}")
-    stride = window - overlap
-    starts = [0]
-    while starts[-1] + window < length:
-        starts.append(starts[-1] + stride)
-    return starts
-
-
-def sequence_windows(
-    bases: np.ndarray,
-    window: int,
-    overlap: int,
-    bos_token_id: int | None,
-    eos_token_id: int | None,
-) -> list[np.ndarray]:
-    """Cut one tokenized sequence into windows; ``<bos>``/``<eos>`` (None: leave out) mark its true ends only.
-
-    Chunks of a longer sequence written by ``scripts/reshard_to_parquet.py --chunk-length`` pass None for the end
-    that is not a true sequence boundary.
-    """
-    head = [] if bos_token_id is None else [bos_token_id]
-    tail = [] if eos_token_id is None else [eos_token_id]
-    tokens = np.concatenate([np.array(head, dtype=bases.dtype), bases, np.array(tail, dtype=bases.dtype)])
-    return [tokens[start : start + window] for start in window_starts(len(tokens), window, overlap)]
+def pad_token_id(tokenizer) -> int:
+    """What padding looks like in a batch: the tokenizer's pad token, or ``<eos>`` for tokenizers without one.
+    Padding is never a target anyway."""
+    return tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
 
 
 class LabelMaker:
@@ -126,14 +99,3 @@ def count_targets(batch: dict) -> int:
     columns = torch.arange(labels.shape[1])
     lengths = batch["attention_mask"].sum(dim=1, keepdim=True)  # right padding: real tokens come first
     return int(((labels != IGNORE_INDEX) & (columns > 0) & (columns < lengths)).sum())
-
-
-def token_weights(micro_batches: list[dict]) -> list[float]:
-    """Each micro-batch's share of the scored tokens of an optimizer step (equal shares when none has any).
-
-    The model returns each micro-batch's *mean* loss; weighting by these shares makes k micro-batches give the gradient
-    of one batch holding all of them, however padding and degenerate-base masking fall.
-    """
-    counts = [count_targets(batch) for batch in micro_batches]
-    total = sum(counts)
-    return [count / total for count in counts] if total else [1 / len(counts)] * len(counts)

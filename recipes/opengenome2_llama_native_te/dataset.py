@@ -32,8 +32,9 @@ from typing import Any
 import numpy as np
 import pyarrow.parquet as pq
 import torch
-from collator import LabelMaker, collate_bshd, collate_thd, sequence_windows
+from collator import LabelMaker, collate_bshd, collate_thd, pad_token_id
 from context_parallel import context_parallel_batch
+from sequence_windows import sequence_windows
 from torchdata.stateful_dataloader import StatefulDataLoader
 
 
@@ -216,7 +217,7 @@ class GenomicStream(torch.utils.data.IterableDataset):
         self.tokenizer = tokenizer
         self.token_dtype = np.uint8 if len(tokenizer) <= 256 else np.int32
         self.labels = LabelMaker(tokenizer, cfg["uppercase_labels"], cfg["mask_degenerate_bases"])
-        self.pad_token_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
+        self.pad_token_id = pad_token_id(tokenizer)
         self.cursor, self.batches = Cursor(), 0
 
     def _keep(self, index: int) -> bool:

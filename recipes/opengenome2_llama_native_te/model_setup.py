@@ -1,42 +1,53 @@
-"""Everything train_fsdp2.py needs to turn the config into a sharded, initialised model.
+"""Building the model, the one way every entrypoint does it: config, precision plan, construction, sharding, init.
 
-- ``load_model_config``: ``config.json`` from ``model_tag`` plus ``model_config_overrides`` (the init switches
-  ``embedding_init_std`` and ``scale_output_projection_init`` are model-config fields and live there), and the
-  per-layer FP8 plan, with ``fp8_config.keep_first_last_bf16`` turned into the list of FP8 layers;
-- ``mixed_precision_policy``: fp32 master weights, bf16 compute, fp32 gradient reduction;
-- ``build_model``: meta-device construction, FSDP2 sharding per layer, then initialisation of each rank's shards.
+``build_model(cfg, device, meshes, strategy)`` returns a :class:`BuiltModel`. This recipe has one strategy,
+``"fsdp2"`` (train_fsdp2.py, and train_cp.py with ``meshes.cp`` set): each transformer layer, then the root
+(embeddings, final norm, LM head), sharded with ``fully_shard`` and the one mixed-precision policy
+(``mixed_precision.mixed_precision_policy``); built on the meta device when ``fsdp.use_meta_device``, so each rank
+materialises only its own shards. With ``meshes.cp`` the model's attention is split over that context-parallel group.
+
+``load_model_config`` holds what is particular to this recipe's configs: the init switches ``embedding_init_std``
+(Spike No More, which needs untied embeddings) and ``scale_output_projection_init`` are model-config fields given in
+``model_config_overrides``; ``fp8_config.keep_first_last_bf16`` becomes the FP8 layer list in
+``quantization.build_quantization``.
 """
 
-from pathlib import Path
+import contextlib
+import logging
+from dataclasses import dataclass
 
-import hydra
 import torch
+import torch.distributed as dist
+from distributed import Meshes
+from mixed_precision import computes_in_bf16, keeps_fp32_master_weights, mixed_precision_policy
 from modeling_llama_te import NVLlamaConfig, NVLlamaForCausalLM
 from omegaconf import DictConfig, OmegaConf
+from perf_logger import ModelFlops
 from quantization import QuantizationPlan, build_quantization
-from torch.distributed.device_mesh import DeviceMesh
-from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
+from recipe_paths import recipe_path
+from torch.distributed.fsdp import fully_shard
 
 
-RECIPE_DIR = Path(__file__).resolve().parent
+logger = logging.getLogger(__name__)
+
+STRATEGIES = ("fsdp2",)
 
 
-def recipe_path(path: str) -> Path:
-    """A path as given when it exists from the working directory, else relative to this recipe folder."""
-    return Path(path) if Path(path).exists() or Path(path).is_absolute() else RECIPE_DIR / path
+@dataclass
+class BuiltModel:
+    """What the entrypoints use of the model."""
 
+    model: NVLlamaForCausalLM  # parameters for the optimizer, checkpoints and export (sharded in place by FSDP2)
+    train_model: torch.nn.Module  # what the loop and validation call: ``model`` or its torch.compile
+    config: NVLlamaConfig
+    plan: QuantizationPlan
+    model_flops: ModelFlops
+    strategy: str
 
-def fp8_layers_keeping_first_last_bf16(num_layers: int, keep: int) -> list[int]:
-    """The 1-indexed FP8 layers when the first ``keep`` and the last ``keep`` layers stay in bf16.
-
-    The first layers see raw embeddings and the last ones feed the LM head: their activations have the widest
-    dynamic range, where FP8's 3-bit mantissa costs the most accuracy (a common stabiliser for FP8 pre-training).
-    """
-    if keep < 0:
-        raise ValueError(f"fp8_config.keep_first_last_bf16 must be >= 0, got {keep}")
-    if 2 * keep >= num_layers:
-        raise ValueError(f"fp8_config.keep_first_last_bf16={keep} leaves no FP8 layer in a {num_layers}-layer model")
-    return list(range(keep + 1, num_layers - keep + 1))
+    def gradient_sync(self, enabled: bool) -> contextlib.AbstractContextManager:
+        """Reduce gradients in this backward (``enabled``) or only accumulate them locally (earlier micro-batches)."""
+        self.model.set_requires_gradient_sync(enabled)
+        return contextlib.nullcontext()
 
 
 def load_model_config(cfg: DictConfig) -> tuple[NVLlamaConfig, QuantizationPlan]:
@@ -53,64 +64,45 @@ def load_model_config(cfg: DictConfig) -> tuple[NVLlamaConfig, QuantizationPlan]
             f"embedding_init_std={config.embedding_init_std} (Spike No More) needs untied embeddings: set "
             "model_config_overrides.tie_word_embeddings=false"
         )
-
-    fp8_config = OmegaConf.to_container(cfg.fp8_config)
-    keep = fp8_config.pop("keep_first_last_bf16", 0)
-    if keep:
-        if not fp8_config["enabled"]:
-            raise ValueError("fp8_config.keep_first_last_bf16 is set but fp8_config.enabled is false")
-        if fp8_config.get("fp8_layers"):
-            raise ValueError("set either fp8_config.fp8_layers or fp8_config.keep_first_last_bf16, not both")
-        fp8_config["fp8_layers"] = fp8_layers_keeping_first_last_bf16(config.num_hidden_layers, keep)
-    plan = build_quantization(fp8_config, OmegaConf.to_container(cfg.fp4_config), config.num_hidden_layers)
+    fp8_config, fp4_config = OmegaConf.to_container(cfg.fp8_config), OmegaConf.to_container(cfg.fp4_config)
+    plan = build_quantization(fp8_config, fp4_config, config.num_hidden_layers)
     config.layer_precision = plan.layer_precision
     config.validate_nv_llama()
     return config, plan
 
 
-def mixed_precision_policy(cfg: DictConfig, device: torch.device) -> MixedPrecisionPolicy:
-    """fp32 sharded master weights, cast to bf16 per layer for compute; gradients reduced in fp32.
-
-    ``cast_forward_inputs=False``: FSDP2 would otherwise cast every floating-point argument of a sharded layer to bf16,
-    including the rotary-embedding table the model passes to each layer. RoPE angles at positions in the thousands
-    need fp32 (bf16 keeps 8 bits of mantissa: position 8,000's angle would be off by whole radians).
-    """
-    if cfg.mixed_precision.enabled and (device.type == "cuda" or cfg.mixed_precision.on_cpu):
-        return MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32, cast_forward_inputs=False)
-    return MixedPrecisionPolicy(cast_forward_inputs=False)
-
-
-def build_model(
-    config: NVLlamaConfig,
-    plan: QuantizationPlan,
-    device: torch.device,
-    mesh: DeviceMesh,
-    mp_policy: MixedPrecisionPolicy,
-    use_meta_device: bool = True,
-    reshard_after_forward: bool = True,
-    seed: int = 42,
-) -> NVLlamaForCausalLM:
-    """Build, shard (each layer, then the root: embeddings, final norm, LM head) and initialise the model.
+def build_model(cfg: DictConfig, device: torch.device, meshes: Meshes, strategy: str) -> BuiltModel:
+    """The model of this run, built, sharded for ``strategy`` and initialised from ``cfg.seed``.
 
     On the meta device nothing is allocated until ``init_empty_weights`` fills each rank's shards: each rank keeps
     its slice of one full-size init, so any number of ranks starts from the weights one process would.
     """
-    torch.manual_seed(seed)
-    with torch.device("meta" if use_meta_device else device):
+    if strategy not in STRATEGIES:
+        raise ValueError(f"strategy must be one of {STRATEGIES}, got {strategy!r}")
+    config, plan = load_model_config(cfg)
+    torch.manual_seed(cfg.seed)  # the init draws from here, with or without the meta device
+    on_meta = cfg.fsdp.use_meta_device
+    with torch.device("meta" if on_meta else device):
         model = NVLlamaForCausalLM(config, fp8_recipe=plan.fp8_recipe, fp4_recipe=plan.fp4_recipe)
+    if computes_in_bf16(cfg.mixed_precision, device) and not keeps_fp32_master_weights(cfg.mixed_precision, device):
+        model.to(torch.bfloat16)  # bf16 weights and optimizer state: less memory, no fp32 master copy
+    model_flops = ModelFlops.from_model(model, config.num_hidden_layers, config.hidden_size)
+    logger.info("Model: %s backend, %.1fM parameters", model.backend, sum(p.numel() for p in model.parameters()) / 1e6)
+    logger.info("Per-layer precision: %s", config.layer_precision or "bf16 everywhere")
+
+    if meshes.cp is not None:
+        # Every attention layer exchanges K/V blocks with the other ranks of this rank's CP group.
+        cp_group = meshes.cp.get_group()
+        cp_stream = torch.cuda.Stream() if device.type == "cuda" else None
+        model.model.set_context_parallel_group(cp_group, dist.get_process_group_ranks(cp_group), cp_stream)
+
+    # FSDP2 over meshes.fsdp (dp x cp with context parallelism: CP ranks hold the same weights).
+    policy = mixed_precision_policy(cfg.mixed_precision, device)
+    reshard = cfg.fsdp.reshard_after_forward
     for layer in model.model.layers:
-        fully_shard(layer, mesh=mesh, mp_policy=mp_policy, reshard_after_forward=reshard_after_forward)
-    fully_shard(model, mesh=mesh, mp_policy=mp_policy, reshard_after_forward=reshard_after_forward)
-    if use_meta_device:
+        fully_shard(layer, mesh=meshes.fsdp, mp_policy=policy, reshard_after_forward=reshard)
+    fully_shard(model, mesh=meshes.fsdp, mp_policy=policy, reshard_after_forward=reshard)
+    if on_meta:
         model.init_empty_weights(device)
-    return model
-
-
-def config_name() -> str:
-    """The Hydra config this run started from (recorded in summary.json)."""
-    return hydra.core.hydra_config.HydraConfig.get().job.config_name
-
-
-def pad_token_id(tokenizer) -> int:
-    """What padding looks like in a batch: the tokenizer's pad token, or ``<eos>`` for tokenizers without one."""
-    return tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
+    train_model = torch.compile(model) if cfg.use_torch_compile else model
+    return BuiltModel(model, train_model, config, plan, model_flops, strategy)

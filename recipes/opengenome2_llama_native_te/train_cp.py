@@ -15,16 +15,17 @@ from pathlib import Path
 
 import hydra
 import torch
-import torch.distributed as dist
 from checkpoint import Checkpointer, export_final_model, gather_full_state_dict
-from collator import token_weights
+from collator import count_targets, pad_token_id
 from context_parallel import shard_for_context_parallel
 from dataset import create_dataloader
 from distributed import build_meshes, cleanup_distributed, move_to_device, setup_distributed
-from model_setup import build_model, config_name, load_model_config, mixed_precision_policy, pad_token_id, recipe_path
+from grad_accumulation import token_weights
+from model_setup import build_model
 from omegaconf import DictConfig, OmegaConf
 from optimizer import build_optimizer
-from perf_logger import ModelFlops, PerfLogger, Profiler
+from perf_logger import PerfLogger, Profiler
+from recipe_paths import config_name, recipe_path
 from scheduler import get_linear_schedule_with_warmup
 from transformers import AutoTokenizer
 from validation import Validator
@@ -45,27 +46,11 @@ def main(cfg: DictConfig) -> None:
     meshes = build_meshes(dist_config, device, cp_size=cfg.cp_size)
     cp_rank = meshes.cp.get_local_rank()
 
-    # Model: meta device, sharded over all ranks (dp x cp: CP ranks hold the same weights), then initialised; every
-    # attention layer exchanges K/V blocks with the other ranks of this rank's CP group.
+    # The model as in train_fsdp2.py, sharded over all ranks (dp x cp: CP ranks hold the same weights, so sharding
+    # over them too only saves memory), its attention split over this rank's CP group.
     tokenizer = AutoTokenizer.from_pretrained(recipe_path(cfg.tokenizer_path))
-    config, plan = load_model_config(cfg)
-    model = build_model(
-        config,
-        plan,
-        device,
-        meshes.fsdp,
-        mixed_precision_policy(cfg, device),
-        use_meta_device=cfg.fsdp.use_meta_device,
-        reshard_after_forward=cfg.fsdp.reshard_after_forward,
-        seed=cfg.seed,
-    )
-    cp_group = meshes.cp.get_group()
-    cp_stream = torch.cuda.Stream() if device.type == "cuda" else None
-    model.model.set_context_parallel_group(cp_group, dist.get_process_group_ranks(cp_group), cp_stream)
-    model_flops = ModelFlops.from_model(model, config.num_hidden_layers, config.hidden_size)
-    logger.info("Model: %s backend, %.1fM parameters", model.backend, sum(p.numel() for p in model.parameters()) / 1e6)
-    logger.info("Per-layer precision: %s", config.layer_precision or "bf16 everywhere")
-    train_model = torch.compile(model) if cfg.use_torch_compile else model
+    built = build_model(cfg, device, meshes, strategy="fsdp2")
+    model = built.model
 
     # Optimizer with weight-decay groups, schedule; the ranks of a CP group read the same windows.
     optimizer = build_optimizer(model, cfg.adamw_kwargs, cfg.embedding_weight_decay, fused=device.type == "cuda")
@@ -98,7 +83,7 @@ def main(cfg: DictConfig) -> None:
         max_checkpoints=cfg.checkpoint.max_checkpoints,
     )
     if dist_config.is_main_process():
-        config.save_pretrained(Path(cfg.checkpoint.ckpt_dir) / "model_config")
+        built.config.save_pretrained(Path(cfg.checkpoint.ckpt_dir) / "model_config")
     start_step = 0
     if cfg.checkpoint.resume:
         start_step = checkpointer.load_latest(model, optimizer, scheduler, dataloader)
@@ -106,25 +91,25 @@ def main(cfg: DictConfig) -> None:
         batches = iter(dataloader)
 
     perf = PerfLogger(
-        cfg, model_flops, pad_token_id(tokenizer), start_step, cp_size=cfg.cp_size, config_name=config_name()
+        cfg, built.model_flops, pad_token_id(tokenizer), start_step, cp_size=cfg.cp_size, config_name=config_name()
     )
     profiler = Profiler(cfg.profiler, cfg.output_dir)
-    train_model.train()
+    built.train_model.train()
     step = start_step
     for step in range(start_step + 1, cfg.num_train_steps + 1):
         with profiler.step_context(step):
             step_loss = torch.zeros((), device=device)
             # Weights come from the full batches, so every rank of a CP group uses the same ones.
             micro_batches = [next(batches) for _ in range(cfg.grad_acc_steps)]
-            weights = token_weights(micro_batches)
+            weights = token_weights([count_targets(batch) for batch in micro_batches])
             for micro_step, full_batch in enumerate(micro_batches):
                 batch = move_to_device(shard_for_context_parallel(full_batch, cp_rank, cfg.cp_size), device)
                 perf.count_batch(batch)
-                model.set_requires_gradient_sync(micro_step == cfg.grad_acc_steps - 1)
                 # The model reduces the loss over the CP group: its value is the group's mean, its gradient scaled
                 # by cp_size so that FSDP's average over dp x cp ranks gives the average over dp of those means.
-                loss = train_model(**batch).loss * weights[micro_step]
-                loss.backward()
+                with built.gradient_sync(micro_step == cfg.grad_acc_steps - 1):
+                    loss = built.train_model(**batch).loss * weights[micro_step]
+                    loss.backward()
                 step_loss += loss.detach()
 
             grad_norm = torch.nn.utils.clip_grad_norm_(model.parameters(), cfg.max_grad_norm)
@@ -135,7 +120,7 @@ def main(cfg: DictConfig) -> None:
 
         perf.log_step(step, step_loss, grad_norm, lr)
         if validator.due(step):
-            validator.run(train_model, step)
+            validator.run(built.train_model, step)
         checkpointer.poll()
         if cfg.checkpoint.save_every and step % cfg.checkpoint.save_every == 0:
             checkpointer.save(step, model, optimizer, scheduler, dataloader)

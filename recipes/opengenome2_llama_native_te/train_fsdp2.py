@@ -4,9 +4,9 @@
     torchrun --nproc_per_node=8 train_fsdp2.py --config-name og2_7b_thd_gqa dataset.path='/data/og2/train/*.jsonl.gz' \
         validation.path=/data/og2/valid.jsonl.gz
 
-Reads top to bottom: mesh, model on the meta device, shard, initialise, optimizer (weight-decay groups), schedule,
-streaming data, resume, train (gradient accumulation, clipping, validation every N steps), export. Every key it reads is
-documented in hydra_config/defaults.yaml.
+Reads top to bottom: mesh, model (``model_setup.build_model``: meta device, shard, initialise), optimizer (weight-decay
+groups), schedule, streaming data, resume, train (gradient accumulation, clipping, validation every N steps), export.
+Every key it reads is documented in hydra_config/defaults.yaml.
 """
 
 import logging
@@ -15,13 +15,15 @@ from pathlib import Path
 import hydra
 import torch
 from checkpoint import Checkpointer, export_final_model, gather_full_state_dict
-from collator import token_weights
+from collator import count_targets, pad_token_id
 from dataset import create_dataloader
 from distributed import build_meshes, cleanup_distributed, move_to_device, setup_distributed
-from model_setup import build_model, config_name, load_model_config, mixed_precision_policy, pad_token_id, recipe_path
+from grad_accumulation import token_weights
+from model_setup import build_model
 from omegaconf import DictConfig, OmegaConf
 from optimizer import build_optimizer
-from perf_logger import ModelFlops, PerfLogger, Profiler
+from perf_logger import PerfLogger, Profiler
+from recipe_paths import config_name, recipe_path
 from scheduler import get_linear_schedule_with_warmup
 from transformers import AutoTokenizer
 from validation import Validator
@@ -40,23 +42,11 @@ def main(cfg: DictConfig) -> None:
     meshes = build_meshes(dist_config, device)
 
     # Model: built on the meta device, sharded layer by layer, then each rank initialises only its own shards (with the
-    # init switches of model_config_overrides: Spike-No-More embeddings, depth-scaled output projections).
+    # init switches of model_config_overrides: Spike-No-More embeddings, depth-scaled output projections). fp32 master
+    # weights are cast to bf16 per layer for compute, and gradients are reduced in fp32.
     tokenizer = AutoTokenizer.from_pretrained(recipe_path(cfg.tokenizer_path))
-    config, plan = load_model_config(cfg)
-    model = build_model(
-        config,
-        plan,
-        device,
-        meshes.fsdp,
-        mixed_precision_policy(cfg, device),
-        use_meta_device=cfg.fsdp.use_meta_device,
-        reshard_after_forward=cfg.fsdp.reshard_after_forward,
-        seed=cfg.seed,
-    )
-    model_flops = ModelFlops.from_model(model, config.num_hidden_layers, config.hidden_size)
-    logger.info("Model: %s backend, %.1fM parameters", model.backend, sum(p.numel() for p in model.parameters()) / 1e6)
-    logger.info("Per-layer precision: %s", config.layer_precision or "bf16 everywhere")
-    train_model = torch.compile(model) if cfg.use_torch_compile else model
+    built = build_model(cfg, device, meshes, strategy="fsdp2")
+    model = built.model
 
     # Optimizer with weight-decay groups, schedule, streaming data (each data-parallel rank reads its own part).
     optimizer = build_optimizer(model, cfg.adamw_kwargs, cfg.embedding_weight_decay, fused=device.type == "cuda")
@@ -77,16 +67,16 @@ def main(cfg: DictConfig) -> None:
         max_checkpoints=cfg.checkpoint.max_checkpoints,
     )
     if dist_config.is_main_process():
-        config.save_pretrained(Path(cfg.checkpoint.ckpt_dir) / "model_config")
+        built.config.save_pretrained(Path(cfg.checkpoint.ckpt_dir) / "model_config")
     start_step = 0
     if cfg.checkpoint.resume:
         start_step = checkpointer.load_latest(model, optimizer, scheduler, dataloader)
     with torch.random.fork_rng(devices=[]):  # making the iterator draws from the RNG; keep resumed runs identical
         batches = iter(dataloader)
 
-    perf = PerfLogger(cfg, model_flops, pad_token_id(tokenizer), start_step, config_name=config_name())
+    perf = PerfLogger(cfg, built.model_flops, pad_token_id(tokenizer), start_step, config_name=config_name())
     profiler = Profiler(cfg.profiler, cfg.output_dir)
-    train_model.train()
+    built.train_model.train()
     step = start_step
     for step in range(start_step + 1, cfg.num_train_steps + 1):
         with profiler.step_context(step):
@@ -94,14 +84,14 @@ def main(cfg: DictConfig) -> None:
             # Weight each micro-batch by its share of the step's scored tokens: k micro-batches then give the
             # gradient of one batch holding all of them, however the degenerate-base masking falls.
             micro_batches = [next(batches) for _ in range(cfg.grad_acc_steps)]
-            weights = token_weights(micro_batches)
+            weights = token_weights([count_targets(batch) for batch in micro_batches])
             for micro_step, batch in enumerate(micro_batches):
                 batch = move_to_device(batch, device)
                 perf.count_batch(batch)
                 # Reduce-scatter gradients only after the last micro-batch; earlier ones accumulate unsharded.
-                model.set_requires_gradient_sync(micro_step == cfg.grad_acc_steps - 1)
-                loss = train_model(**batch).loss * weights[micro_step]
-                loss.backward()
+                with built.gradient_sync(micro_step == cfg.grad_acc_steps - 1):
+                    loss = built.train_model(**batch).loss * weights[micro_step]
+                    loss.backward()
                 step_loss += loss.detach()
 
             grad_norm = torch.nn.utils.clip_grad_norm_(model.parameters(), cfg.max_grad_norm)
@@ -112,7 +102,7 @@ def main(cfg: DictConfig) -> None:
 
         perf.log_step(step, step_loss, grad_norm, lr)
         if validator.due(step):
-            validator.run(train_model, step)
+            validator.run(built.train_model, step)
         checkpointer.poll()  # finalise a finished background save without waiting for one
         if cfg.checkpoint.save_every and step % cfg.checkpoint.save_every == 0:
             checkpointer.save(step, model, optimizer, scheduler, dataloader)

@@ -18,11 +18,10 @@ from pathlib import Path
 
 import torch
 import torch.distributed as dist
-from collator import count_targets
+from collator import count_targets, pad_token_id
 from context_parallel import context_parallel_batch, shard_for_context_parallel
 from dataset import validation_batches
 from distributed import move_to_device
-from model_setup import pad_token_id
 
 
 logger = logging.getLogger(__name__)

@@ -7,14 +7,29 @@ multiple of 64. Everything else maps one to one.
 
 import re
 
-import torch
 from transformers import EsmConfig, EsmForMaskedLM
 
 
 try:  # package import (models/esm2)
     from .modeling_esm_te import NVEsmConfig, NVEsmForMaskedLM
+    from .weight_conversion import (
+        NV_ONLY_CONFIG_KEYS,
+        interleave_qkv,
+        load_state_dict_exactly,
+        pad_rows,
+        split_qkv,
+        translate_config,
+    )
 except ImportError:  # flat copy inside a recipe folder
     from modeling_esm_te import NVEsmConfig, NVEsmForMaskedLM
+    from weight_conversion import (
+        NV_ONLY_CONFIG_KEYS,
+        interleave_qkv,
+        load_state_dict_exactly,
+        pad_rows,
+        split_qkv,
+        translate_config,
+    )
 
 
 # Hugging Face key suffix inside `esm.encoder.layer.{i}.` -> NVEsm key suffix inside `esm.encoder.layers.{i}.`
@@ -40,65 +55,15 @@ _SHARED_KEYS = [
     "lm_head.layer_norm.weight",
     "lm_head.layer_norm.bias",
 ]
-_NV_ONLY_CONFIG_KEYS = ("backend", "padded_vocab_size", "layer_precision", "auto_map", "architectures", "model_type")
 _QKV = ("query", "key", "value")
 
 
-def _interleave_qkv(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, num_heads: int) -> torch.Tensor:
-    """[hidden, ...] x3 -> [heads * 3 * head_dim, ...] in TE's interleaved order (works for weights and biases)."""
-    per_head = [t.reshape(num_heads, -1, *t.shape[1:]) for t in (q, k, v)]
-    return torch.stack(per_head, dim=1).reshape(-1, *q.shape[1:])
-
-
-def _split_qkv(fused: torch.Tensor, num_heads: int) -> tuple[torch.Tensor, ...]:
-    per_head = fused.reshape(num_heads, 3, -1, *fused.shape[1:])
-    return tuple(per_head[:, i].reshape(-1, *fused.shape[1:]) for i in range(3))
-
-
-def _pad_rows(tensor: torch.Tensor, rows: int) -> torch.Tensor:
-    padded = tensor.new_zeros(rows, *tensor.shape[1:])
-    padded[: tensor.shape[0]] = tensor
-    return padded
-
-
-def _load_exactly(model: torch.nn.Module, state: dict[str, torch.Tensor], source: str) -> None:
-    """Load ``state`` into ``model``; every key must exist with the same shape, and every weight must be given.
-
-    TE's ``_extra_state`` (FP8 bookkeeping) keeps the model's own value when the source has none.
-    """
-    expected = model.state_dict()
-    missing = sorted(k for k in expected if k not in state and not k.endswith("_extra_state"))
-    unexpected = sorted(k for k in state if k not in expected)
-    mismatched = [
-        f"{k}: checkpoint {tuple(v.shape)} vs model {tuple(expected[k].shape)}"
-        for k, v in state.items()
-        if k in expected and not k.endswith("_extra_state") and v.shape != expected[k].shape
-    ]
-    if missing or unexpected or mismatched:
-        raise ValueError(
-            f"cannot load {source}: "
-            + "; ".join(
-                f"{label} ({len(keys)}): {keys[:5]}{' ...' if len(keys) > 5 else ''}"
-                for label, keys in (
-                    ("missing keys", missing),
-                    ("unexpected keys", unexpected),
-                    ("shape mismatch", mismatched),
-                )
-                if keys
-            )
-        )
-    model.load_state_dict({**expected, **state}, strict=True)
-
-
 def nv_config_from_hf(hf_config: EsmConfig, **overrides) -> NVEsmConfig:
-    values = {k: v for k, v in hf_config.to_dict().items() if k not in ("model_type", "architectures", "auto_map")}
-    values.update(overrides)
-    return NVEsmConfig(**values)
+    return translate_config(hf_config, NVEsmConfig, **overrides)
 
 
 def hf_config_from_nv(nv_config: NVEsmConfig) -> EsmConfig:
-    values = {k: v for k, v in nv_config.to_dict().items() if k not in _NV_ONLY_CONFIG_KEYS}
-    return EsmConfig(**values)
+    return translate_config(nv_config, EsmConfig, drop=NV_ONLY_CONFIG_KEYS)
 
 
 def convert_esm_hf_to_te(hf_model: EsmForMaskedLM, **config_overrides) -> NVEsmForMaskedLM:
@@ -107,17 +72,17 @@ def convert_esm_hf_to_te(hf_model: EsmForMaskedLM, **config_overrides) -> NVEsmF
     hf_state = hf_model.state_dict()
     num_heads = config.num_attention_heads
     state = {key: hf_state[key] for key in _SHARED_KEYS if key in hf_state}
-    state["esm.embeddings.word_embeddings.weight"] = _pad_rows(
+    state["esm.embeddings.word_embeddings.weight"] = pad_rows(
         hf_state["esm.embeddings.word_embeddings.weight"], config.padded_vocab_size
     )
-    state["lm_head.bias"] = _pad_rows(hf_state["lm_head.bias"], config.padded_vocab_size)
+    state["lm_head.bias"] = pad_rows(hf_state["lm_head.bias"], config.padded_vocab_size)
     for i in range(config.num_hidden_layers):
         hf_prefix, nv_prefix = f"esm.encoder.layer.{i}.", f"esm.encoder.layers.{i}."
         for hf_suffix, nv_suffix in _LAYER_KEY_MAP.items():
             state[nv_prefix + nv_suffix] = hf_state[hf_prefix + hf_suffix]
         for kind in ("weight", "bias"):
             q, k, v = (hf_state[f"{hf_prefix}attention.self.{name}.{kind}"] for name in _QKV)
-            state[f"{nv_prefix}self_attention.layernorm_qkv.{kind}"] = _interleave_qkv(q, k, v, num_heads)
+            state[f"{nv_prefix}self_attention.layernorm_qkv.{kind}"] = interleave_qkv(q, k, v, num_groups=num_heads)
     unknown = sorted(
         key
         for key in hf_state
@@ -133,7 +98,7 @@ def convert_esm_hf_to_te(hf_model: EsmForMaskedLM, **config_overrides) -> NVEsmF
 
     nv_model = NVEsmForMaskedLM(config)
     state["lm_head.decoder.weight"] = state["esm.embeddings.word_embeddings.weight"]  # tied
-    _load_exactly(nv_model, state, "Hugging Face ESM-2 weights")
+    load_state_dict_exactly(nv_model, state, "Hugging Face ESM-2 weights")
     return nv_model.to(dtype=next(hf_model.parameters()).dtype)
 
 
@@ -159,7 +124,7 @@ def convert_esm_te_to_hf(nv_model: NVEsmForMaskedLM) -> EsmForMaskedLM:
             state[hf_prefix + nv_to_hf[suffix]] = value
         elif suffix.startswith("self_attention.layernorm_qkv."):
             kind = suffix.rsplit(".", 1)[1]
-            for name, part in zip(_QKV, _split_qkv(value, config.num_attention_heads)):
+            for name, part in zip(_QKV, split_qkv(value, config.num_attention_heads, config.num_attention_heads)):
                 state[f"{hf_prefix}attention.self.{name}.{kind}"] = part
         else:
             raise ValueError(f"NVEsm checkpoint key {key!r} has no Hugging Face counterpart")
@@ -169,6 +134,6 @@ def convert_esm_te_to_hf(nv_model: NVEsmForMaskedLM) -> EsmForMaskedLM:
     for key in hf_state:  # buffers that HF computes from the config
         if key.endswith("rotary_embeddings.inv_freq") or key.endswith("position_ids"):
             state[key] = hf_state[key]
-    _load_exactly(hf_model, state, "NVEsm weights")
+    load_state_dict_exactly(hf_model, state, "NVEsm weights")
     hf_model.tie_weights()
     return hf_model.to(dtype=next(nv_model.parameters()).dtype)

@@ -1,3 +1,4 @@
+# Copied from common/meta_init.py — edit the source, then run ci/check_copies.py --fix
 """Materialise a model built on the meta device so that, sharded or not, it holds the weights of one init.
 
 FSDP2 turns each parameter into a DTensor whose local tensor is this rank's shard. Initialising those shards in

@@ -12,6 +12,14 @@ import torch
 from transformers import LlamaConfig, LlamaForCausalLM
 
 from .modeling_llama_te import NVLlamaConfig, NVLlamaForCausalLM
+from .weight_conversion import (
+    NV_ONLY_CONFIG_KEYS,
+    interleave_qkv,
+    load_state_dict_exactly,
+    pad_rows,
+    split_qkv,
+    translate_config,
+)
 
 
 # Hugging Face key suffix inside `model.layers.{i}.` -> NVLlama key suffix inside the same prefix
@@ -23,69 +31,14 @@ _LAYER_KEY_MAP = {
 }
 _FUSED_QKV = "self_attention.layernorm_qkv.weight"
 _FUSED_FC1 = "layernorm_mlp.fc1_weight"
-_NV_ONLY_CONFIG_KEYS = ("backend", "padded_vocab_size", "layer_precision", "auto_map", "architectures", "model_type")
-
-
-def interleave_qkv(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, num_groups: int) -> torch.Tensor:
-    """[heads * d, hidden], [groups * d, hidden] x2 -> [groups * (heads/groups + 2) * d, hidden] in TE's order."""
-    hidden = q.shape[-1]
-    q = q.reshape(num_groups, -1, hidden)  # [groups, heads/groups * d, hidden]
-    k = k.reshape(num_groups, -1, hidden)
-    v = v.reshape(num_groups, -1, hidden)
-    return torch.cat([q, k, v], dim=1).reshape(-1, hidden)
-
-
-def split_qkv(fused: torch.Tensor, num_heads: int, num_groups: int, head_dim: int) -> tuple[torch.Tensor, ...]:
-    hidden = fused.shape[-1]
-    per_group = fused.reshape(num_groups, num_heads // num_groups + 2, head_dim, hidden)
-    q, k, v = per_group.split([num_heads // num_groups, 1, 1], dim=1)
-    return tuple(t.reshape(-1, hidden) for t in (q, k, v))
-
-
-def _pad_rows(tensor: torch.Tensor, rows: int) -> torch.Tensor:
-    padded = tensor.new_zeros(rows, *tensor.shape[1:])
-    padded[: tensor.shape[0]] = tensor
-    return padded
-
-
-def _load_exactly(model: torch.nn.Module, state: dict[str, torch.Tensor], source: str) -> None:
-    """Load ``state`` into ``model``; every key must exist with the same shape, and every weight must be given.
-
-    TE's ``_extra_state`` (FP8 bookkeeping) keeps the model's own value when the source has none.
-    """
-    expected = model.state_dict()
-    missing = sorted(k for k in expected if k not in state and not k.endswith("_extra_state"))
-    unexpected = sorted(k for k in state if k not in expected)
-    mismatched = [
-        f"{k}: checkpoint {tuple(v.shape)} vs model {tuple(expected[k].shape)}"
-        for k, v in state.items()
-        if k in expected and not k.endswith("_extra_state") and v.shape != expected[k].shape
-    ]
-    if missing or unexpected or mismatched:
-        raise ValueError(
-            f"cannot load {source}: "
-            + "; ".join(
-                f"{label} ({len(keys)}): {keys[:5]}{' ...' if len(keys) > 5 else ''}"
-                for label, keys in (
-                    ("missing keys", missing),
-                    ("unexpected keys", unexpected),
-                    ("shape mismatch", mismatched),
-                )
-                if keys
-            )
-        )
-    model.load_state_dict({**expected, **state}, strict=True)
 
 
 def nv_config_from_hf(hf_config: LlamaConfig, **overrides) -> NVLlamaConfig:
-    values = {k: v for k, v in hf_config.to_dict().items() if k not in ("model_type", "architectures", "auto_map")}
-    values.update(overrides)
-    return NVLlamaConfig(**values)
+    return translate_config(hf_config, NVLlamaConfig, **overrides)
 
 
 def hf_config_from_nv(nv_config: NVLlamaConfig) -> LlamaConfig:
-    values = {k: v for k, v in nv_config.to_dict().items() if k not in _NV_ONLY_CONFIG_KEYS}
-    return LlamaConfig(**values)
+    return translate_config(nv_config, LlamaConfig, drop=NV_ONLY_CONFIG_KEYS)
 
 
 def convert_llama_hf_to_te(hf_model: LlamaForCausalLM, **config_overrides) -> NVLlamaForCausalLM:
@@ -95,12 +48,12 @@ def convert_llama_hf_to_te(hf_model: LlamaForCausalLM, **config_overrides) -> NV
     groups = config.num_key_value_heads
     state = {
         "model.norm.weight": hf_state["model.norm.weight"],
-        "model.embed_tokens.weight": _pad_rows(hf_state["model.embed_tokens.weight"], config.padded_vocab_size),
+        "model.embed_tokens.weight": pad_rows(hf_state["model.embed_tokens.weight"], config.padded_vocab_size),
     }
     if config.tie_word_embeddings:
         state["lm_head.weight"] = state["model.embed_tokens.weight"]
     else:
-        state["lm_head.weight"] = _pad_rows(hf_state["lm_head.weight"], config.padded_vocab_size)
+        state["lm_head.weight"] = pad_rows(hf_state["lm_head.weight"], config.padded_vocab_size)
     consumed = {"model.norm.weight", "model.embed_tokens.weight", "lm_head.weight"}
     for i in range(config.num_hidden_layers):
         prefix = f"model.layers.{i}."
@@ -118,7 +71,7 @@ def convert_llama_hf_to_te(hf_model: LlamaForCausalLM, **config_overrides) -> NV
         raise ValueError(f"Hugging Face checkpoint has weights this conversion does not know: {unknown[:5]}")
 
     nv_model = NVLlamaForCausalLM(config)
-    _load_exactly(nv_model, state, "Hugging Face Llama weights")
+    load_state_dict_exactly(nv_model, state, "Hugging Face Llama weights")
     if config.tie_word_embeddings:
         nv_model.tie_weights()
     return nv_model.to(dtype=next(hf_model.parameters()).dtype)
@@ -147,7 +100,7 @@ def convert_llama_te_to_hf(nv_model: NVLlamaForCausalLM) -> LlamaForCausalLM:
         if suffix in nv_to_hf:
             state[prefix + nv_to_hf[suffix]] = value
         elif suffix == _FUSED_QKV:
-            parts = split_qkv(value, config.num_attention_heads, config.num_key_value_heads, config.head_dim)
+            parts = split_qkv(value, config.num_attention_heads, config.num_key_value_heads)
             for name, part in zip("qkv", parts):
                 state[f"{prefix}self_attn.{name}_proj.weight"] = part
         elif suffix == _FUSED_FC1:
@@ -157,7 +110,7 @@ def convert_llama_te_to_hf(nv_model: NVLlamaForCausalLM) -> LlamaForCausalLM:
             raise ValueError(f"NVLlama checkpoint key {key!r} has no Hugging Face counterpart")
 
     hf_model = LlamaForCausalLM(hf_config_from_nv(config))
-    _load_exactly(hf_model, state, "NVLlama weights")
+    load_state_dict_exactly(hf_model, state, "NVLlama weights")
     if config.tie_word_embeddings:
         hf_model.tie_weights()
     return hf_model.to(dtype=next(nv_model.parameters()).dtype)

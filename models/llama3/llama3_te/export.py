@@ -13,22 +13,20 @@ The tokenizer is the nucleotide tokenizer shipped with this package unless ``tok
 
 import argparse
 import logging
-import shutil
-import tempfile
 from pathlib import Path
 
 import torch
 from transformers import AutoTokenizer, LlamaForCausalLM
 
 from .convert import convert_llama_hf_to_te
-from .modeling_llama_te import AUTO_MAP, NVLlamaForCausalLM
+from .hf_export import write_hf_directory
+from .modeling_llama_te import NVLlamaForCausalLM
 
 
 logger = logging.getLogger(__name__)
 
 PACKAGE_DIR = Path(__file__).resolve().parent
 TOKENIZER_DIR = PACKAGE_DIR / "tokenizer"
-MODELING_FILES = ("modeling_llama_te.py", "torch_layers.py", "packing.py", "meta_init.py")
 
 MODEL_CARD = """---
 library_name: transformers
@@ -63,54 +61,25 @@ def save_nv_checkpoint(
     tokenizer_dir: str | Path = TOKENIZER_DIR,
     state_dict: dict[str, torch.Tensor] | None = None,
 ) -> Path:
-    """Write ``model`` as a loadable directory. The directory appears only once complete (written beside it, then
-    renamed), so an interrupted export never leaves a half-written checkpoint behind.
+    """Write ``model`` as a loadable directory, the way every export of this project is written
+    (``hf_export.write_hf_directory``: staged then renamed, ``backend: auto``, no FP8/FP4 layers, tied weights once).
 
     ``state_dict`` overrides the model's own (e.g. a full state dict gathered from FSDP shards on rank 0).
     """
-    output_dir = Path(output_dir)
-    output_dir.parent.mkdir(parents=True, exist_ok=True)
-    state = state_dict if state_dict is not None else model.state_dict()
-    # TE's FP8 bookkeeping is runtime state, not weights; safetensors holds tensors only.
-    state = {k: v for k, v in state.items() if not k.endswith("_extra_state")}
-    if model.config.tie_word_embeddings:
-        state.pop("lm_head.weight", None)  # one copy of a tied tensor; loading re-ties it
-
-    staging = Path(tempfile.mkdtemp(prefix=f".{output_dir.name}.", dir=output_dir.parent))
-    try:
-        # Let whoever loads it use TE where it can run; restore the caller's config afterwards.
-        exported = {"auto_map": dict(AUTO_MAP), "architectures": [type(model).__name__], "backend": "auto"}
-        previous = {key: getattr(model.config, key, None) for key in exported}
-        try:
-            for key, value in exported.items():
-                setattr(model.config, key, value)
-            model.save_pretrained(staging, state_dict=state, safe_serialization=True)
-        finally:
-            for key, value in previous.items():
-                setattr(model.config, key, value)
-        AutoTokenizer.from_pretrained(tokenizer_dir).save_pretrained(staging)
-        modeling_dir = Path(__import__(type(model).__module__, fromlist=["_"]).__file__).parent
-        for name in MODELING_FILES:
-            shutil.copy2(modeling_dir / name, staging / name)
-        license_file = PACKAGE_DIR / "LICENSE"
-        if license_file.exists():
-            shutil.copy2(license_file, staging / "LICENSE")
-        (staging / "README.md").write_text(
-            MODEL_CARD.format(
-                name=output_dir.name,
-                num_layers=model.config.num_hidden_layers,
-                hidden_size=model.config.hidden_size,
-                num_params=sum(v.numel() for v in state.values()),
-            )
-        )
-        if output_dir.exists():
-            shutil.rmtree(output_dir)
-        staging.rename(output_dir)
-    except BaseException:
-        shutil.rmtree(staging, ignore_errors=True)
-        raise
-    logger.info("exported %s", output_dir)
-    return output_dir
+    card = MODEL_CARD.format(
+        name=Path(output_dir).name,
+        num_layers=model.config.num_hidden_layers,
+        hidden_size=model.config.hidden_size,
+        num_params=sum(p.numel() for p in model.parameters()),  # a tied weight counts once
+    )
+    return write_hf_directory(
+        model,
+        output_dir,
+        state_dict=state_dict,
+        tokenizer=AutoTokenizer.from_pretrained(tokenizer_dir),
+        model_card=card,
+        license_file=PACKAGE_DIR / "LICENSE",
+    )
 
 
 def export_hf_checkpoint(

@@ -1,3 +1,4 @@
+# Copied from common/tests/launch.py — edit the source, then run ci/check_copies.py --fix
 """Run a script the way a user does: ``torchrun`` in a subprocess, or plain ``python`` for one process."""
 
 import os

@@ -1,19 +1,13 @@
-"""MLM masking, BSHD/THD collation and context-parallel sharding, checked against hand-computed expectations."""
+"""MLM masking, BSHD padding / THD packing, padding for context parallelism and the CP shards of these batches
+(``context_parallel.shard_for_context_parallel``), checked against hand-computed expectations."""
 
 from pathlib import Path
 
 import numpy as np
 import pytest
 import torch
-from collator import (
-    IGNORE_INDEX,
-    BSHDCollator,
-    MLMMasker,
-    THDCollator,
-    cp_local_positions,
-    shard_for_context_parallel,
-    unshard_context_parallel,
-)
+from collator import IGNORE_INDEX, BSHDCollator, MLMMasker, THDCollator, count_targets
+from context_parallel import shard_for_context_parallel, unshard_context_parallel
 from transformers import AutoTokenizer
 
 
@@ -163,7 +157,11 @@ def test_thd_pad_to_multiple_of_appends_a_pseudo_sequence():
     ],
 )
 def test_cp_chunk_assignment(boundaries, cp_size, expected):
-    assert [cp_local_positions(boundaries, r, cp_size).tolist() for r in range(cp_size)] == expected
+    """Each rank's share of a batch whose tokens are their own global positions."""
+    cu = torch.tensor(boundaries, dtype=torch.int32)
+    batch = {"input_ids": torch.arange(boundaries[-1])[None], "cu_seq_lens_q": cu, "cu_seq_lens_q_padded": cu}
+    shares = [shard_for_context_parallel(batch, r, cp_size)["input_ids"][0].tolist() for r in range(cp_size)]
+    assert shares == expected
 
 
 def test_cp_shard_by_hand():
@@ -215,15 +213,23 @@ def test_cp_round_trip(cp_size, collator_cls):
     for shard in shards:
         assert shard["input_ids"].shape[1] * cp_size == full["input_ids"].shape[1]
         assert shard["input_ids"].shape[1] % 16 == 0
-    positions = torch.cat([cp_local_positions(_boundaries_of(full), r, cp_size) for r in range(cp_size)])
-    assert torch.equal(positions.sort().values, torch.arange(full["input_ids"].shape[1]))
+    # Every position lands on exactly one rank: shard a batch of positions.
+    numbered = dict(full, input_ids=torch.arange(full["input_ids"].numel()).reshape(full["input_ids"].shape))
+    positions = torch.cat([shard_for_context_parallel(numbered, r, cp_size)["input_ids"] for r in range(cp_size)], 1)
+    assert torch.equal(positions.sort(dim=1).values, numbered["input_ids"])
     rebuilt = unshard_context_parallel(shards)
     assert set(rebuilt) == set(full)
     for key, value in full.items():
         assert torch.equal(rebuilt[key], value) if torch.is_tensor(value) else rebuilt[key] == value
 
 
-def _boundaries_of(batch):
-    if "cu_seq_lens_q_padded" in batch:
-        return batch["cu_seq_lens_q_padded"].tolist()
-    return [0, batch["input_ids"].shape[1]]
+def test_count_targets_counts_the_full_batch_labels():
+    samples = [sample([5, 6, 7, 8], 0), sample([9, 9], 1)]
+    masker = make_masker(p=0.5)
+    expected = sum(int((masker(s["input_ids"], 0, s["sample_index"])[1] != IGNORE_INDEX).sum()) for s in samples)
+    assert expected > 0
+    for collate in (BSHDCollator(masker, PAD, cp_size=2), THDCollator(masker, PAD, cp_size=2)):
+        full = collate(samples)
+        assert count_targets(full) == expected  # CP padding and BSHD padding carry no label
+        shards = [shard_for_context_parallel(full, r, 2) for r in (0, 1)]
+        assert sum(count_targets(shard) for shard in shards) == expected

@@ -64,3 +64,13 @@ def test_l0_configs_are_complete_and_use_shipped_data(name):
 @pytest.mark.parametrize("name", ["L1_650M", "L1_3B", "L1_15B_perf"])
 def test_benchmarks_ask_for_their_data(name):
     assert OmegaConf.is_missing(_compose(name).dataset, "path")  # real data is not shipped in the repo
+
+
+def test_keep_first_last_bf16_reaches_the_quantization_plan():
+    """The key defaults.yaml documents is read by the plan: set without FP8 enabled, it is refused by name."""
+    from model_setup import load_model_config
+
+    assert _compose("L0_sanity", ["output_dir=unused"]).fp8_config.keep_first_last_bf16 == 0
+    cfg = _compose("L0_sanity", ["fp8_config.keep_first_last_bf16=1", "output_dir=unused"])
+    with pytest.raises(ValueError, match="keep_first_last_bf16 is set but fp8_config.enabled is false"):
+        load_model_config(cfg)

@@ -285,13 +285,24 @@ def test_thd_batches_respect_the_token_budget(parquet_path, cache, tokenizer):
         assert batch["input_ids"].shape[1] <= 80 and batch["input_ids"].shape[1] % 16 == 0
 
 
-def test_cp_loader_yields_full_batch_or_this_ranks_shard(parquet_path, cache, tokenizer):
-    from collator import unshard_context_parallel
+def test_cp_loader_yields_full_batches_padded_for_cp(parquet_path, cache, tokenizer):
+    """The loader pads every sequence for CP and yields the full batch (what every rank of a CP group reads), and the
+    shards the training loop cuts from it put it back together."""
+    from context_parallel import shard_for_context_parallel, unshard_context_parallel
 
     for input_format in ("bshd", "thd"):
         cfg = loader_config(parquet_path, cache, input_format=input_format)
         full = next(iter(create_dataloader(cfg, tokenizer, 0, 1, seed=0, cp_size=2)))
-        shards = [next(iter(create_dataloader(cfg, tokenizer, 0, 1, seed=0, cp_size=2, cp_rank=r))) for r in (0, 1)]
+        if input_format == "thd":
+            boundaries = full["cu_seq_lens_q_padded"]
+            assert bool(((boundaries[1:] - boundaries[:-1]) % 4 == 0).all())
+        else:  # the same sequences and masks as without CP, only padded further
+            plain = next(iter(create_dataloader(cfg, tokenizer, 0, 1, seed=0)))
+            assert full["input_ids"].shape[1] % 4 == 0
+            length = plain["input_ids"].shape[1]
+            assert torch.equal(full["labels"][:, :length], plain["labels"])
+            assert (full["labels"][:, length:] == -100).all()
+        shards = [shard_for_context_parallel(full, r, 2) for r in (0, 1)]
         assert shards[0]["input_ids"].shape[1] * 2 == full["input_ids"].shape[1]
         assert_same_batches([unshard_context_parallel(shards)], [full])
 

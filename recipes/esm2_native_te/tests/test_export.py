@@ -45,3 +45,26 @@ def test_failed_export_keeps_the_previous_one(tmp_path):
         export_final_model(model, model.state_dict(), target, _BrokenTokenizer())
     assert sorted(p.name for p in target.iterdir()) == before
     assert [p.name for p in tmp_path.iterdir()] == ["final_model"]  # no staging directory left behind
+
+
+def test_export_over_an_earlier_one_replaces_it_whole(tmp_path):
+    model = tiny_model()
+    target = tmp_path / "final_model"
+    export_final_model(model, model.state_dict(), target, AutoTokenizer.from_pretrained(TOKENIZER_DIR))
+    (target / "stale.txt").write_text("from an older export")
+    export_final_model(model, model.state_dict(), target)
+    assert not (target / "stale.txt").exists() and not (target / "tokenizer.json").exists()
+    assert [p.name for p in tmp_path.iterdir()] == ["final_model"]  # the earlier export moved aside, then deleted
+
+
+def test_export_that_died_between_its_renames_leaves_the_last_good_one_to_restore(tmp_path):
+    """A crash after moving the old export aside and before moving the new one in: the next export restores the old
+    one before it starts, so a second failure still leaves a loadable directory."""
+    model = tiny_model()
+    target = tmp_path / "final_model"
+    export_final_model(model, model.state_dict(), target, AutoTokenizer.from_pretrained(TOKENIZER_DIR))
+    target.rename(tmp_path / ".final_model.previous")  # the state such a crash leaves
+    with pytest.raises(OSError, match="disk full"):
+        export_final_model(model, model.state_dict(), target, _BrokenTokenizer())
+    assert (target / "tokenizer.json").is_file() and (target / "model.safetensors").is_file()
+    assert [p.name for p in tmp_path.iterdir()] == ["final_model"]

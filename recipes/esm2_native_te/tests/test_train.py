@@ -15,6 +15,8 @@ import pyarrow.parquet as pq
 import pytest
 import torch
 import torch.distributed.checkpoint as dcp
+from collator import count_targets
+from dataset import create_dataloader
 from launch import RECIPE_DIR, run_script
 from modeling_esm_te import NVEsmConfig, NVEsmForMaskedLM
 from transformers import AutoConfig, AutoModelForMaskedLM, AutoTokenizer
@@ -156,6 +158,52 @@ def test_stop_and_go_matches_uninterrupted_run(tmp_path, script, extra):
     resumed_state = resumed_model.state_dict()
     for name, value in full_model.state_dict().items():
         torch.testing.assert_close(resumed_state[name], value, rtol=0, atol=0, msg=name)
+
+
+def test_micro_batches_of_b_hold_the_samples_and_masks_of_one_batch_of_2b():
+    """The premise of the next test: the sampler cuts one order into batches, and masking depends only on (seed,
+    epoch, sample index), so two micro-batches of 2 are one batch of 4 split in two; and they score different numbers
+    of tokens, so weighting them equally (dividing by grad_acc_steps) would not give the larger batch's gradient."""
+    tokenizer = AutoTokenizer.from_pretrained(RECIPE_DIR / "tokenizer")
+    data = {"path": str(RECIPE_DIR / "data" / "sanity_proteins.parquet"), "max_seq_length": 128, "num_workers": 0}
+    small = iter(create_dataloader({**data, "micro_batch_size": 2}, tokenizer, dp_rank=1, dp_world_size=2, seed=42))
+    large = iter(create_dataloader({**data, "micro_batch_size": 4}, tokenizer, dp_rank=1, dp_world_size=2, seed=42))
+    padding = {"input_ids": tokenizer.pad_token_id, "labels": -100, "attention_mask": 0}
+    unequal = 0
+    for _ in range(3):
+        first, second, both = next(small), next(small), next(large)
+        for key, value in padding.items():  # each batch is padded to its own longest sequence
+            length = both[key].shape[1]
+            halves = [
+                torch.nn.functional.pad(b[key], (0, length - b[key].shape[1]), value=value) for b in (first, second)
+            ]
+            assert torch.equal(torch.cat(halves), both[key]), key
+        unequal += count_targets(first) != count_targets(second)
+    assert unequal
+
+
+@pytest.mark.parametrize("script", ["train_ddp.py", "train_fsdp2.py"])
+def test_grad_accumulation_equals_one_larger_batch(tmp_path, script):
+    """grad_acc_steps=2 x 2 sequences per rank == 1 x 4 sequences, on 2 ranks: the same per-step losses and final
+    weights. Equal in exact arithmetic because each micro-batch is weighted by its share of the step's masked tokens
+    (see the premise above); what differs is float rounding (BSHD padding lengths, summation order)."""
+    common = [
+        *CONVERGE,
+        "num_train_steps=3",
+        "logger.log_every=1",
+        "dataset.input_format=bshd",
+        "dataset.num_workers=0",
+        "adamw_kwargs.eps=1e-3",  # Adam divides by sqrt(v) + eps: keep float noise in tiny gradients from flipping signs
+        "checkpoint.save_final=false",
+    ]
+    accumulated = train(script, tmp_path / "acc", *common, "dataset.micro_batch_size=2", "grad_acc_steps=2", nproc=2)
+    single = train(script, tmp_path / "big", *common, "dataset.micro_batch_size=4", "grad_acc_steps=1", nproc=2)
+    assert [m["loss"] for m in accumulated] == pytest.approx([m["loss"] for m in single], rel=1e-5)
+    assert [m["grad_norm"] for m in accumulated] == pytest.approx([m["grad_norm"] for m in single], rel=1e-4)
+    assert single[-1]["loss"] != single[0]["loss"]  # the steps did change the weights
+    expected = load_export(tmp_path / "big").state_dict()
+    for key, value in load_export(tmp_path / "acc").state_dict().items():
+        torch.testing.assert_close(value, expected[key], rtol=1e-5, atol=1e-6, msg=key)
 
 
 @pytest.mark.parametrize(

@@ -1,4 +1,4 @@
-# Copied from recipes/esm2_native_te/tests/launch.py — edit the source, then run ci/check_copies.py --fix
+# Copied from common/tests/launch.py — edit the source, then run ci/check_copies.py --fix
 """Run a script the way a user does: ``torchrun`` in a subprocess, or plain ``python`` for one process."""
 
 import os

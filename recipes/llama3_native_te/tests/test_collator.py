@@ -1,4 +1,4 @@
-"""Windows, labels and packing, checked against hand-built expectations."""
+"""Windows, labels, padding and packing, checked against hand-built expectations."""
 
 import numpy as np
 import pytest
@@ -10,11 +10,12 @@ from collator import (
     collate_thd,
     count_targets,
     pack_windows,
-    token_weights,
-    window_starts,
+    pad_token_id,
 )
 from context_parallel import context_parallel_batch, shard_for_context_parallel
-from model_setup import recipe_path
+from grad_accumulation import token_weights
+from recipe_paths import recipe_path
+from sequence_windows import window_starts
 from transformers import AutoTokenizer
 
 
@@ -32,9 +33,10 @@ def ids(tokenizer, text: str) -> np.ndarray:
     [
         (5, 8, 0, [0]),
         (8, 8, 2, [0]),
-        (20, 8, 0, [0, 8, 12]),  # the last window is moved back to end at 20
+        (9, 8, 0, [0, 8]),  # one token too long: a full window and a short one, not a near-duplicate window
+        (20, 8, 0, [0, 8, 16]),  # the last window is short (4 tokens)
         (20, 8, 2, [0, 6, 12]),  # stride 6 covers 20 exactly
-        (21, 8, 2, [0, 6, 12, 13]),
+        (21, 8, 2, [0, 6, 12, 18]),
     ],
 )
 def test_window_starts(length, window, overlap, expected):
@@ -42,6 +44,8 @@ def test_window_starts(length, window, overlap, expected):
     assert starts == expected
     covered = set().union(*(range(s, min(s + window, length)) for s in starts))
     assert covered == set(range(length))
+    # Neighbours share exactly ``overlap`` tokens: no window is moved back over its neighbour.
+    assert all(b - a == window - overlap for a, b in zip(starts, starts[1:]))
 
 
 @pytest.mark.parametrize(("window", "overlap"), [(0, 0), (8, 8), (8, -1)])
@@ -105,9 +109,16 @@ def test_count_targets_by_hand(tokenizer):
     # THD: sequences "ACG" | "NTT" | "A": scored C, G | T, T | (none).
     thd = collate_thd([ids(tokenizer, "ACG"), ids(tokenizer, "NTT"), ids(tokenizer, "A")], labels)
     assert count_targets(thd) == 4
-    assert token_weights([bshd, thd]) == pytest.approx([3 / 7, 4 / 7])
+    assert token_weights([count_targets(bshd), count_targets(thd)]) == pytest.approx([3 / 7, 4 / 7])
     empty = collate_thd([ids(tokenizer, "N")], labels)
-    assert token_weights([empty, empty]) == [0.5, 0.5]
+    assert count_targets(empty) == 0
+    assert token_weights([count_targets(empty)] * 2) == [0.5, 0.5]
+
+
+def test_pad_token_id_falls_back_to_eos(tokenizer):
+    assert pad_token_id(tokenizer) == tokenizer.pad_token_id
+    no_pad = type("NoPad", (), {"pad_token_id": None, "eos_token_id": 2})()
+    assert pad_token_id(no_pad) == 2
 
 
 def test_context_parallel_batch_by_hand(tokenizer):
@@ -131,7 +142,7 @@ def test_context_parallel_batch_by_hand(tokenizer):
     assert shards[1]["input_ids"][0].tolist() == [C, n, T, 0, t, a]
     assert shards[1]["shift_labels"][0].tolist() == [-100, T, -100, -100, A, -100]
     assert shards[0]["cu_seq_lens_q_padded"].tolist() == [0, 8, 12]  # boundaries stay global
-    with pytest.raises(ValueError, match="not a context-parallel batch"):
+    with pytest.raises(ValueError, match="not a context-parallel THD batch"):
         shard_for_context_parallel(collate_thd([first], labels), 0, 2)
     with pytest.raises(ValueError, match="THD batches with labels"):
         context_parallel_batch(collate_bshd([first], labels, 0), 2, 0)

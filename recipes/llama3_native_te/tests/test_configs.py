@@ -93,3 +93,11 @@ def test_unknown_model_override_fails():
     cfg = _compose("L0_sanity", ["+model_config_overrides.hidden_sise=64", "output_dir=unused"])
     with pytest.raises(ValueError, match="hidden_sise"):
         load_model_config(cfg)
+
+
+def test_keep_first_last_bf16_reaches_the_quantization_plan():
+    """The key defaults.yaml documents is read by the plan: set without FP8 enabled, it is refused by name."""
+    assert _compose("L0_sanity", ["output_dir=unused"]).fp8_config.keep_first_last_bf16 == 0
+    cfg = _compose("L0_sanity", ["fp8_config.keep_first_last_bf16=1", "output_dir=unused"])
+    with pytest.raises(ValueError, match="keep_first_last_bf16 is set but fp8_config.enabled is false"):
+        load_model_config(cfg)

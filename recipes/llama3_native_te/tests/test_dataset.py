@@ -9,7 +9,7 @@ import pyarrow.parquet as pq
 import pytest
 import torch
 from dataset import create_dataloader, read_sequences
-from model_setup import recipe_path
+from recipe_paths import recipe_path
 from transformers import AutoTokenizer
 
 
@@ -100,6 +100,25 @@ def test_context_parallel_batches_hold_the_same_tokens_padded(tokenizer, tmp_pat
         assert torch.equal(piece, plain["input_ids"][0, start:end])
     with pytest.raises(ValueError, match="needs dataset.input_format=thd"):
         create_dataloader({**cfg, "input_format": "bshd"}, tokenizer, cp_size=2)
+
+
+def test_a_sequence_one_token_longer_than_a_window_gives_a_full_and_a_short_window(tokenizer, tmp_path):
+    """31 bases + <bos>/<eos> = 33 tokens, windows of 32: tokens 0..31, then the <eos> alone (not a second window of
+    tokens 1..32 that would repeat 31 of them)."""
+    bases = "ACGT" * 7 + "ACG"
+    (tmp_path / "one.jsonl").write_text(json.dumps({"sequence": bases}) + "\n")
+    cfg = {"path": str(tmp_path / "one.jsonl"), "max_seq_length": 32, "input_format": "bshd", "shuffle": False}
+    batches = iter(create_dataloader({**cfg, "num_workers": 0}, tokenizer))
+    first, second = next(batches)["input_ids"][0].tolist(), next(batches)["input_ids"][0].tolist()
+    expected = [
+        tokenizer.bos_token_id,
+        *tokenizer(bases, add_special_tokens=False)["input_ids"],
+        tokenizer.eos_token_id,
+    ]
+    assert len(expected) == 33
+    assert first == expected[:32]
+    assert second == [tokenizer.eos_token_id]
+    assert next(batches)["input_ids"][0].tolist() == expected[:32]  # the next epoch starts over
 
 
 @pytest.mark.parametrize("input_format", ["thd", "bshd"])

@@ -5,8 +5,8 @@ import torch
 from checkpoint import export_final_model, gather_full_state_dict
 from generate import generate, load
 from launch import run_script
-from model_setup import recipe_path
 from modeling_llama_te import NVLlamaConfig, NVLlamaForCausalLM
+from recipe_paths import recipe_path
 from transformers import AutoTokenizer
 
 

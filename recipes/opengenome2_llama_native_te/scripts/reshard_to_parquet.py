@@ -38,8 +38,8 @@ from tqdm.auto import tqdm
 
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # the recipe's flat modules
-from collator import window_starts
 from dataset import END_COLUMN, START_COLUMN, file_format, iter_fasta, iter_records, resolve_files
+from sequence_windows import window_starts
 
 
 logger = logging.getLogger("reshard_to_parquet")

@@ -1,18 +1,14 @@
-"""Windows, <bos>/<eos> placement, labels and packing, checked against hand-built expectations."""
+"""Windows (the shared ``sequence_windows`` rule), <bos>/<eos> placement, labels, packing and the scored-token counts
+that weight gradient accumulation, checked against hand-built expectations."""
+
+from types import SimpleNamespace
 
 import numpy as np
 import pytest
 import torch
-from collator import (
-    IGNORE_INDEX,
-    LabelMaker,
-    collate_bshd,
-    collate_thd,
-    count_targets,
-    sequence_windows,
-    token_weights,
-    window_starts,
-)
+from collator import IGNORE_INDEX, LabelMaker, collate_bshd, collate_thd, count_targets, pad_token_id
+from grad_accumulation import token_weights
+from sequence_windows import sequence_windows, window_starts
 
 
 BOS, EOS = 1, 2
@@ -94,9 +90,14 @@ def test_thd_batch_boundaries(tokenizer):
 
 
 def test_bshd_pads_right_and_ignores_padding(tokenizer):
-    batch = collate_bshd([ids(tokenizer, "ACGT"), ids(tokenizer, "GA")], LabelMaker(tokenizer), tokenizer.pad_token_id)
+    batch = collate_bshd(
+        [ids(tokenizer, "ACGT"), ids(tokenizer, "GA")], LabelMaker(tokenizer), pad_token_id(tokenizer)
+    )
+    assert batch["input_ids"][1].tolist() == [ord("G"), ord("A"), tokenizer.pad_token_id, tokenizer.pad_token_id]
     assert batch["attention_mask"].tolist() == [[1, 1, 1, 1], [1, 1, 0, 0]]
     assert batch["labels"][1].tolist() == [ord("G"), ord("A"), IGNORE_INDEX, IGNORE_INDEX]
+    # A tokenizer without a pad token (Llama 3's) pads with <eos>; padding is never a target either way.
+    assert pad_token_id(SimpleNamespace(pad_token_id=None, eos_token_id=EOS)) == EOS
 
 
 def test_count_targets_and_token_weights_by_hand(tokenizer):
@@ -107,6 +108,7 @@ def test_count_targets_and_token_weights_by_hand(tokenizer):
     # THD: "ACG" | "NTT" | "A": scored C, G | T, T | nothing.
     thd = collate_thd([ids(tokenizer, "ACG"), ids(tokenizer, "NTT"), ids(tokenizer, "A")], labels)
     assert count_targets(thd) == 4
-    assert token_weights([bshd, thd]) == pytest.approx([3 / 7, 4 / 7])
+    assert token_weights([count_targets(bshd), count_targets(thd)]) == pytest.approx([3 / 7, 4 / 7])
     empty = collate_thd([ids(tokenizer, "N")], labels)
-    assert token_weights([empty, empty]) == [0.5, 0.5]
+    assert count_targets(empty) == 0
+    assert token_weights([count_targets(empty)] * 2) == [0.5, 0.5]

@@ -1,5 +1,6 @@
 """The shipped Hydra configs and what model_setup makes of them: documented keys only, files that exist, the model
-shapes the issue asks for, the FP8 layer list with the first and last layers in bf16, and clear config errors."""
+shapes the issue asks for, the FP8 layer list with the first and last layers in bf16
+(``fp8_config.keep_first_last_bf16``, resolved by ``quantization.build_quantization``), and clear config errors."""
 
 from pathlib import Path
 
@@ -8,7 +9,8 @@ import quantization
 import torch
 from dataset import DEFAULTS
 from hydra import compose, initialize_config_dir
-from model_setup import fp8_layers_keeping_first_last_bf16, load_model_config, mixed_precision_policy
+from mixed_precision import mixed_precision_policy
+from model_setup import load_model_config
 from omegaconf import OmegaConf
 from omegaconf.errors import ConfigKeyError
 
@@ -95,17 +97,27 @@ def test_og2_1b_is_the_llama_3_2_1b_shape_untied_with_plain_rope():
     assert config.embedding_init_std == 1.0 and config.scale_output_projection_init
 
 
+def _fp8_layer_plan(monkeypatch, layers: int, keep: int):
+    """load_model_config of L0_sanity with ``layers`` layers, FP8 on and ``keep_first_last_bf16=keep``. TE is not
+    needed for the plan; stand in for its recipe."""
+    monkeypatch.setattr(quantization, "build_recipe", lambda *args: "fp8-recipe")
+    overrides = [f"+model_config_overrides.num_hidden_layers={layers}", "fp8_config.enabled=true"]
+    return load_model_config(compose_config("L0_sanity", [*overrides, f"fp8_config.keep_first_last_bf16={keep}"]))
+
+
 @pytest.mark.parametrize(
     ("layers", "keep", "expected"), [(32, 2, list(range(3, 31))), (4, 1, [2, 3]), (3, 0, [1, 2, 3])]
 )
-def test_keep_first_last_bf16_layer_list(layers, keep, expected):
-    assert fp8_layers_keeping_first_last_bf16(layers, keep) == expected
+def test_keep_first_last_bf16_layer_list(monkeypatch, layers, keep, expected):
+    config, plan = _fp8_layer_plan(monkeypatch, layers, keep)
+    assert config.layer_precision == ["fp8" if number in expected else None for number in range(1, layers + 1)]
+    assert plan.fp8_recipe == "fp8-recipe"
 
 
 @pytest.mark.parametrize(("layers", "keep"), [(4, 2), (3, 2), (8, -1)])
-def test_keep_first_last_bf16_rejects_impossible_values(layers, keep):
+def test_keep_first_last_bf16_rejects_impossible_values(monkeypatch, layers, keep):
     with pytest.raises(ValueError, match="keep_first_last_bf16"):
-        fp8_layers_keeping_first_last_bf16(layers, keep)
+        _fp8_layer_plan(monkeypatch, layers, keep)
 
 
 def test_fp8_config_keeps_the_first_and_last_two_layers_in_bf16(monkeypatch):
@@ -132,11 +144,11 @@ def test_config_errors_name_the_problem(overrides, message):
 
 def test_mixed_precision_policy_keeps_fp32_masters_and_reduction():
     cfg = compose_config("L0_sanity", ["mixed_precision.on_cpu=true"])
-    policy = mixed_precision_policy(cfg, torch.device("cpu"))
+    policy = mixed_precision_policy(cfg.mixed_precision, torch.device("cpu"))
     assert (policy.param_dtype, policy.reduce_dtype, policy.cast_forward_inputs) == (
         torch.bfloat16,
         torch.float32,
         False,
     )
-    fp32 = mixed_precision_policy(compose_config("L0_sanity"), torch.device("cpu"))  # on CPU bf16 is opt-in
+    fp32 = mixed_precision_policy(compose_config("L0_sanity").mixed_precision, torch.device("cpu"))  # bf16 is opt-in
     assert fp32.param_dtype is None and not fp32.cast_forward_inputs

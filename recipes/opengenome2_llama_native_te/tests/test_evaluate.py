@@ -9,8 +9,8 @@ import pytest
 import torch
 from checkpoint import export_final_model
 from launch import RECIPE_DIR
-from model_setup import recipe_path
 from modeling_llama_te import NVLlamaConfig, NVLlamaForCausalLM
+from recipe_paths import recipe_path
 
 
 sys.path.insert(0, str(RECIPE_DIR / "scripts"))

@@ -79,15 +79,6 @@ def test_builds_are_seeded(worker_results):
     assert worker_results["seeded"] == {"same_seed_equal": True, "other_seed_differs": True}
 
 
-def test_bf16_compute_over_fp32_masters_keeps_rope_in_fp32(worker_results):
-    seen = worker_results["precision"]
-    assert seen["recipe/compute_weight"] == "torch.bfloat16"  # layers compute with bf16 copies...
-    assert seen["recipe/master_weights"] == ["torch.float32"]  # ...of fp32 master weights...
-    assert seen["recipe/gradients"] == ["torch.float32"]  # ...which receive fp32 gradients
-    assert seen["recipe/rotary"] == "torch.float32"  # and the rotary table reaches them in fp32
-    assert seen["cast_inputs/rotary"] == "torch.bfloat16"  # (what FSDP2's default cast_forward_inputs would do)
-
-
 def test_validation_split_over_ranks_equals_one_reader(worker_results):
     """Ranks with different numbers of validation batches stay in step (FSDP2 gathers weights collectively in every
     forward) and the token-weighted result equals scoring the whole file in one place."""

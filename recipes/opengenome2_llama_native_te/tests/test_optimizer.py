@@ -2,9 +2,9 @@
 
 import pytest
 import torch
-from model_setup import recipe_path
 from modeling_llama_te import NVLlamaConfig, NVLlamaForCausalLM
 from optimizer import build_optimizer, split_decay_parameters
+from recipe_paths import recipe_path
 
 
 def tiny_model(**overrides) -> NVLlamaForCausalLM:

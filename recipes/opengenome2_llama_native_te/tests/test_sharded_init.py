@@ -1,4 +1,4 @@
-# Copied from recipes/esm2_native_te/tests/test_sharded_init.py — edit the source, then run ci/check_copies.py --fix
+# Copied from common/tests/test_sharded_init.py — edit the source, then run ci/check_copies.py --fix
 """FSDP2 meta-device init through ``train_fsdp2.py`` as a user runs it: N ranks initialise the model one rank does.
 
 ``num_train_steps=0`` makes the entrypoint build the model on the meta device, shard it, initialise each rank's
@@ -13,6 +13,7 @@ from pathlib import Path
 
 import pytest
 import torch
+from init_statistics import assert_initialised_as_configured
 from launch import run_script
 from safetensors.torch import load_file
 
@@ -31,42 +32,6 @@ def initial_weights(output_dir: Path, *overrides: str, nproc: int, gpu: bool = F
     )
     export = output_dir / "final_model"
     return load_file(export / "model.safetensors"), json.loads((export / "config.json").read_text())
-
-
-def expected_init(name: str, shape: tuple, config: dict) -> float | str:
-    """ "ones", "zeros", or the std a fresh matrix should have, read from the config as the model's docs define it.
-
-    Vectors are norm scales (ones) and biases (zeros); matrices are drawn from a normal distribution.
-    """
-    if ".contact_head." in name:
-        return "zeros"  # ESM-2's contact regression: not trained here
-    if len(shape) == 1:
-        return "zeros" if name.endswith("bias") else "ones"
-    if name.endswith("embed_tokens.weight") and config.get("embedding_init_std") is not None:
-        return config["embedding_init_std"]  # Spike No More
-    if name.endswith(("self_attention.proj.weight", "fc2_weight")) and config.get("scale_output_projection_init"):
-        return config["initializer_range"] / (2 * config["num_hidden_layers"]) ** 0.5  # depth-scaled output init
-    return config["initializer_range"]
-
-
-def assert_initialised_as_configured(weights: dict, config: dict, ranks: int) -> None:
-    for name, tensor in weights.items():
-        tensor = tensor.float()
-        expected = expected_init(name, tuple(tensor.shape), config)
-        if expected == "ones":
-            assert torch.all(tensor == 1), name
-        elif expected == "zeros":
-            assert torch.all(tensor == 0), name
-        else:
-            # The sample std of n normal draws has a relative standard error of 1/sqrt(2n); allow 5 of them.
-            tolerance = 5 / (2 * tensor.numel()) ** 0.5
-            assert abs(tensor.std().item() / expected - 1) < tolerance, (name, tensor.std().item(), expected)
-            assert abs(tensor.mean().item()) < 5 * expected / tensor.numel() ** 0.5, (name, tensor.mean().item())
-            # FSDP2 gives rank r the r-th chunk of dim 0: no two ranks may hold the same numbers.
-            shards = tensor.chunk(ranks)
-            for i in range(len(shards)):
-                for j in range(i + 1, len(shards)):
-                    assert not torch.equal(shards[i], shards[j]), f"{name}: ranks {i} and {j} hold identical shards"
 
 
 def test_two_processes_initialise_the_one_process_model(tmp_path):

@@ -6,9 +6,9 @@ import math
 
 import pytest
 import torch
-from model_setup import recipe_path
 from modeling_llama_te import NVLlamaConfig, NVLlamaForCausalLM
 from omegaconf import OmegaConf
+from recipe_paths import recipe_path
 from transformers import AutoTokenizer
 from validation import Validator
 

@@ -1,0 +1,103 @@
+"""``build_model`` as the entrypoints call it, in one CPU process with bf16 compute over fp32 master weights.
+
+The rotary-frequency table is fp32 by design (bf16 keeps 8 mantissa bits: the angle at position 1,000 would be off
+by several radians). FSDP2's default ``MixedPrecisionPolicy`` casts every floating-point argument of a sharded layer
+to ``param_dtype``, the table included; the recipe's policy must not. A forward pre-hook on the attention of a
+sharded layer sees exactly what reaches it. The control case swaps in a policy that casts forward inputs and checks
+that the same probe then sees bf16, so the probe can fail.
+"""
+
+from pathlib import Path
+
+import model_setup
+import pytest
+import torch
+import torch.distributed as dist
+from distributed import DistributedConfig, build_meshes
+from hydra import compose, initialize_config_dir
+from model_setup import build_model
+from torch.distributed.fsdp import FSDPModule, MixedPrecisionPolicy
+from torch.nn.parallel import DistributedDataParallel
+
+
+CONFIG_DIR = Path(__file__).resolve().parent.parent / "hydra_config"
+TINY = (
+    "+model_config_overrides={num_hidden_layers: 2, hidden_size: 64, intermediate_size: 128, num_attention_heads: 4}"
+)
+
+
+@pytest.fixture
+def one_process_group():
+    """A gloo group of one process in an in-process store (what train_fsdp2.py makes for ``python train_fsdp2.py``)."""
+    dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
+    yield
+    dist.destroy_process_group()
+
+
+def bf16_cfg(*overrides: str):
+    with initialize_config_dir(config_dir=str(CONFIG_DIR), version_base="1.3"):
+        return compose(
+            config_name="L0_sanity",
+            overrides=["output_dir=unused", "mixed_precision.on_cpu=true", "mixed_precision.fp32_master_weights=true"]
+            + [TINY, *overrides],
+        )
+
+
+def what_reaches_the_attention(built) -> dict[str, torch.dtype]:
+    """dtypes of the hidden states and the rotary table that the first sharded layer's attention receives."""
+    layer = built.model.esm.encoder.layers[0]
+    assert isinstance(layer, FSDPModule)
+    seen = {}
+
+    def record(module, args, kwargs):
+        seen["hidden"] = args[0].dtype
+        seen["rotary"] = kwargs["rotary_pos_emb"].dtype
+
+    handle = layer.self_attention.register_forward_pre_hook(record, with_kwargs=True)
+    input_ids = torch.tensor([[0, 5, 6, 7, 8, 9, 10, 11, 32, 12, 13, 2]])
+    labels = torch.full_like(input_ids, -100)
+    labels[0, 8] = 14
+    try:
+        loss = built.train_model(input_ids=input_ids, labels=labels).loss
+    finally:
+        handle.remove()
+    assert torch.isfinite(loss)
+    return seen
+
+
+def build_fsdp2(cfg):
+    device = torch.device("cpu")
+    return build_model(cfg, device, build_meshes(DistributedConfig(), device), strategy="fsdp2")
+
+
+def test_fsdp2_keeps_the_rotary_table_fp32(one_process_group):
+    built = build_fsdp2(bf16_cfg())
+    assert all(p.dtype == torch.float32 for p in built.model.parameters())  # fp32 master weights
+    seen = what_reaches_the_attention(built)
+    assert seen["hidden"] == torch.bfloat16  # the layer does compute in bf16 ...
+    assert seen["rotary"] == torch.float32  # ... but the rotary angles arrive in fp32
+
+
+def test_the_probe_sees_bf16_when_the_policy_casts_forward_inputs(one_process_group, monkeypatch):
+    """Control: FSDP2's default (cast_forward_inputs=True) rounds the table to bf16, and the probe says so."""
+    casting = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32, cast_forward_inputs=True)
+    monkeypatch.setattr(model_setup, "mixed_precision_policy", lambda mp_cfg, device: casting)
+    assert what_reaches_the_attention(build_fsdp2(bf16_cfg()))["rotary"] == torch.bfloat16
+
+
+def test_bf16_weights_without_fp32_master_weights(one_process_group):
+    built = build_fsdp2(bf16_cfg("mixed_precision.fp32_master_weights=false"))
+    assert all(p.dtype == torch.bfloat16 for p in built.model.parameters())
+    assert what_reaches_the_attention(built)["rotary"] == torch.float32
+
+
+def test_ddp_wraps_the_model_when_a_process_group_exists(one_process_group):
+    built = build_model(bf16_cfg(), torch.device("cpu"), None, strategy="ddp")
+    assert isinstance(built.train_model, DistributedDataParallel) and built.train_model.module is built.model
+    assert built.config.num_hidden_layers == 2 and built.plan.layer_precision is None
+    assert built.model_flops is not None
+
+
+def test_unknown_strategy_fails():
+    with pytest.raises(ValueError, match="strategy must be one of"):
+        build_model(bf16_cfg(), torch.device("cpu"), None, strategy="zero3")

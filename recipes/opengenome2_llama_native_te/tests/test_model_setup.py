@@ -1,0 +1,105 @@
+"""What ``model_setup.build_model`` hands train_fsdp2.py and train_cp.py, checked in one CPU process (gloo).
+
+og2 trains 8,192-token windows (and longer ones under context parallelism), where RoPE angles need fp32: with bf16's
+8 mantissa bits the angle at position 8,000 is off by whole radians. The recipe computes in bf16 over fp32 master
+weights, and FSDP2 by default casts every floating-point input of a sharded layer to bf16, the rotary table among
+them. A pre-hook on the first sharded layer's attention records what actually arrives there (bf16 on CPU through
+``mixed_precision.on_cpu``); a control run with a casting policy shows that the same hook reports bf16 when it
+should. Also: bf16 weights without fp32 masters, fp32 on CPU by default, and only the ``fsdp2`` strategy.
+"""
+
+from pathlib import Path
+
+import model_setup
+import pytest
+import torch
+import torch.distributed as dist
+from distributed import DistributedConfig, build_meshes
+from hydra import compose, initialize_config_dir
+from model_setup import build_model
+from torch.distributed.fsdp import FSDPModule, MixedPrecisionPolicy
+
+
+CONFIG_DIR = Path(__file__).resolve().parent.parent / "hydra_config"
+
+
+@pytest.fixture
+def one_process_group():
+    """A gloo group of one process in an in-process store (what train_fsdp2.py makes for ``python train_fsdp2.py``)."""
+    dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
+    yield
+    dist.destroy_process_group()
+
+
+def bf16_cfg(*overrides: str):
+    """L0_sanity (the og2 stability switches on, torch backend on CPU) with bf16 compute on CPU."""
+    with initialize_config_dir(config_dir=str(CONFIG_DIR), version_base="1.3"):
+        return compose(
+            config_name="L0_sanity",
+            overrides=["output_dir=unused", "mixed_precision.on_cpu=true", *overrides],
+        )
+
+
+def build_on_cpu(cfg):
+    device = torch.device("cpu")
+    return build_model(cfg, device, build_meshes(DistributedConfig(), device), strategy="fsdp2")
+
+
+def run_and_probe(built) -> dict:
+    """dtypes of the hidden states, the rotary table and the weights that the first sharded layer's attention
+    computes with, after one forward and backward through the model the loop calls."""
+    layer = built.model.model.layers[0]
+    assert isinstance(layer, FSDPModule)
+    seen = {}
+
+    def record(module, args, kwargs):
+        seen["hidden"] = args[0].dtype
+        seen["rotary"] = kwargs["rotary_pos_emb"].dtype
+        seen["compute_weight"] = module.proj.weight.dtype
+
+    handle = layer.self_attention.register_forward_pre_hook(record, with_kwargs=True)
+    # Two packed sequences (THD, the recipe's default layout).
+    input_ids = torch.tensor([[1, *b"ACGTTGCAACGTAAGG", 1, *b"TTGACA"]])
+    cu_seq_lens = torch.tensor([0, 17, 24], dtype=torch.int32)
+    try:
+        loss = built.train_model(input_ids=input_ids, labels=input_ids, cu_seq_lens_q=cu_seq_lens).loss
+    finally:
+        handle.remove()
+    assert torch.isfinite(loss)
+    loss.backward()
+    seen["gradients"] = {p.grad.dtype for p in built.model.parameters()}
+    return seen
+
+
+def test_fsdp2_keeps_the_rotary_table_fp32(one_process_group):
+    built = build_on_cpu(bf16_cfg())
+    assert {p.dtype for p in built.model.parameters()} == {torch.float32}  # fp32 master weights
+    seen = run_and_probe(built)
+    assert seen["hidden"] == torch.bfloat16 and seen["compute_weight"] == torch.bfloat16  # bf16 compute ...
+    assert seen["gradients"] == {torch.float32}  # ... fp32 gradients on the masters ...
+    assert seen["rotary"] == torch.float32  # ... and the rotary angles arrive in fp32
+
+
+def test_the_probe_sees_bf16_when_the_policy_casts_forward_inputs(one_process_group, monkeypatch):
+    """Control: FSDP2's default (cast_forward_inputs=True) rounds the table to bf16, and the probe says so."""
+    casting = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32, cast_forward_inputs=True)
+    monkeypatch.setattr(model_setup, "mixed_precision_policy", lambda mp_cfg, device: casting)
+    assert run_and_probe(build_on_cpu(bf16_cfg()))["rotary"] == torch.bfloat16
+
+
+def test_bf16_weights_without_fp32_master_weights(one_process_group):
+    built = build_on_cpu(bf16_cfg("mixed_precision.fp32_master_weights=false"))
+    assert {p.dtype for p in built.model.parameters()} == {torch.bfloat16}
+    assert run_and_probe(built)["rotary"] == torch.float32
+
+
+def test_fp32_on_cpu_unless_asked(one_process_group):
+    """L0_sanity as shipped: bf16 compute is for CUDA; on CPU it is opt-in (``mixed_precision.on_cpu``)."""
+    built = build_on_cpu(bf16_cfg("mixed_precision.on_cpu=false"))
+    seen = run_and_probe(built)
+    assert (seen["hidden"], seen["compute_weight"], seen["rotary"]) == (torch.float32,) * 3
+
+
+def test_unknown_strategy_fails():
+    with pytest.raises(ValueError, match="strategy must be one of"):
+        build_model(bf16_cfg(), torch.device("cpu"), None, strategy="ddp")
