@@ -1,4 +1,5 @@
-"""Helpers for the ESM-2 model tests: tiny configs, random weights, ESM-style batches (BSHD and THD)."""
+"""Helpers for the ESM-2 model tests: tiny configs, random weights, ESM-style padded batches (the model contract
+packs them into THD)."""
 
 import json
 from pathlib import Path
@@ -64,18 +65,3 @@ def make_batch(lengths: list[int], seed: int = 0, mask_fraction: float = 0.15):
         input_ids[row, :length] = torch.cat([torch.tensor([0]), torch.where(masked, 32, residues), torch.tensor([2])])
         attention_mask[row, :length] = 1
     return input_ids, attention_mask, labels
-
-
-def pack(input_ids, attention_mask, labels):
-    """The same batch as THD: tokens end to end, cu_seq_lens marking each sequence."""
-    keep = attention_mask.bool()
-    lengths = attention_mask.sum(1)
-    cu = torch.nn.functional.pad(lengths.cumsum(0), (1, 0)).to(torch.int32)
-    return {
-        "input_ids": input_ids[keep].unsqueeze(0),
-        "labels": labels[keep].unsqueeze(0),
-        "cu_seq_lens_q": cu,
-        "cu_seq_lens_k": cu,
-        "max_length_q": int(lengths.max()),
-        "max_length_k": int(lengths.max()),
-    }

@@ -1,4 +1,5 @@
-"""Helpers for the Llama 3 model tests: tiny configs, random weights, left/right-padded and packed batches."""
+"""Helpers for the Llama 3 model tests: tiny configs, random weights, left- or right-padded batches (the model
+contract packs them into THD)."""
 
 import json
 from pathlib import Path
@@ -78,29 +79,3 @@ def make_batch(lengths: list[int], seed: int = 0, padding_side: str = "right"):
         attention_mask[row, where] = 1
     labels = input_ids.masked_fill(attention_mask == 0, -100)
     return input_ids, attention_mask, labels
-
-
-def pack(input_ids, attention_mask, labels):
-    """The same batch as THD: tokens end to end, cu_seq_lens marking each sequence."""
-    keep = attention_mask.bool()
-    lengths = attention_mask.sum(1)
-    cu = torch.nn.functional.pad(lengths.cumsum(0), (1, 0)).to(torch.int32)
-    return {
-        "input_ids": input_ids[keep].unsqueeze(0),
-        "labels": labels[keep].unsqueeze(0),
-        "cu_seq_lens_q": cu,
-        "cu_seq_lens_k": cu,
-        "max_length_q": int(lengths.max()),
-        "max_length_k": int(lengths.max()),
-    }
-
-
-def expected_init_std(name: str, config) -> float | None:
-    """The std a freshly initialised parameter should have, written out from the config (None: norm weights, all 1)."""
-    if name.endswith(("layer_norm_weight", "norm.weight")):
-        return None
-    if name.endswith("embed_tokens.weight") and config.embedding_init_std is not None:
-        return config.embedding_init_std
-    if name.endswith(("self_attention.proj.weight", "fc2_weight")) and config.scale_output_projection_init:
-        return config.initializer_range / (2 * config.num_hidden_layers) ** 0.5
-    return config.initializer_range
