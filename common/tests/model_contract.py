@@ -54,6 +54,7 @@ class ModelContract:
     hf_to_nv: Callable[..., PreTrainedModel]  # convert_*_hf_to_te(hf_model, **config_overrides)
     nv_to_hf: Callable[[PreTrainedModel], PreTrainedModel]  # convert_*_te_to_hf(nv_model)
     export: Callable[[Path, Path], Path]  # export_hf_checkpoint(source_dir, output_dir) -> output_dir
+    save_nv: Callable[[PreTrainedModel, Path], Path]  # save_nv_checkpoint(nv_model, output_dir) -> output_dir
     auto_class: type  # the Auto class that loads the export, e.g. AutoModelForMaskedLM
     # (lengths, seed=0, padding_side="right") -> {"input_ids", "attention_mask", "labels"}, all [B, S]; -100 at
     # padding and wherever nothing is scored. Every length >= 3.
@@ -246,6 +247,19 @@ def test_export_config_and_weights(contract, tmp_path):
     if hf_model.config.tie_word_embeddings:
         for output_key, input_key in contract.nv_class._tied_weights_keys.items():
             assert len({output_key, input_key} & keys) == 1, f"tied {output_key} / {input_key}: stored {keys}"
+
+
+def test_export_drops_a_training_precision_plan_and_keeps_the_callers_config(contract, tmp_path):
+    """A model trained with FP8 layers exports without them (the export must load on any backend), and the model
+    the caller keeps training still has its plan."""
+    nv_model = contract.hf_to_nv(contract.hf_model(), backend="torch")
+    plan = ["fp8"] * nv_model.config.num_hidden_layers  # set after construction: the torch backend refuses to build it
+    nv_model.config.layer_precision = plan
+    out = contract.save_nv(nv_model, tmp_path / "exported")
+    assert json.loads((Path(out) / "config.json").read_text())["layer_precision"] is None
+    assert nv_model.config.layer_precision == plan and nv_model.config.backend == "torch"
+    reloaded = contract.auto_class.from_pretrained(out, trust_remote_code=True, backend="torch")
+    assert reloaded.config.layer_precision is None
 
 
 def test_export_loads_offline_and_matches_the_stock_model(contract, tmp_path, monkeypatch):

@@ -184,11 +184,3 @@ class THDCollator:
             batch["cu_seq_lens_q_padded"] = cu_seq_lens.clone()
             batch["cu_seq_lens_k_padded"] = cu_seq_lens.clone()
         return batch
-
-
-def count_targets(batch: dict) -> int:
-    """Tokens the model scores in ``batch`` (labels other than -100): the weight of a micro-batch in its step.
-
-    Count them on the full batch, before any context-parallel shard, so every rank of a CP group agrees.
-    """
-    return int((batch["labels"] != IGNORE_INDEX).sum())

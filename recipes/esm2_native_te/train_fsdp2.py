@@ -14,10 +14,9 @@ from pathlib import Path
 import hydra
 import torch
 from checkpoint import Checkpointer, export_final_model, gather_full_state_dict
-from collator import count_targets
 from dataset import create_dataloader
 from distributed import build_meshes, cleanup_distributed, move_to_device, setup_distributed
-from grad_accumulation import token_weights
+from grad_accumulation import count_targets, token_weights
 from model_setup import build_model
 from omegaconf import DictConfig, OmegaConf
 from perf_logger import PerfLogger, Profiler
@@ -78,7 +77,7 @@ def main(cfg: DictConfig) -> None:
             # Weight each micro-batch by its share of the step's masked tokens: k micro-batches then give the
             # gradient of one batch holding all of them, however many tokens the masking picked in each.
             micro_batches = [next(batches) for _ in range(cfg.grad_acc_steps)]
-            weights = token_weights([count_targets(batch) for batch in micro_batches])
+            weights = token_weights([count_targets(batch, causal_lm=False) for batch in micro_batches])
             for micro_step, batch in enumerate(micro_batches):
                 batch = move_to_device(batch, device)
                 perf.count_batch(batch)

@@ -14,10 +14,9 @@ from pathlib import Path
 import hydra
 import torch
 from checkpoint import Checkpointer, export_final_model, gather_full_state_dict
-from collator import count_targets
 from dataset import create_dataloader
 from distributed import Meshes, cleanup_distributed, move_to_device, setup_distributed
-from grad_accumulation import token_weights
+from grad_accumulation import count_targets, token_weights
 from model_setup import build_model
 from omegaconf import DictConfig, OmegaConf
 from perf_logger import PerfLogger, Profiler
@@ -88,7 +87,7 @@ def main(cfg: DictConfig) -> None:
             step_loss = torch.zeros((), device=device)
             # Weight each micro-batch by its share of the step's masked tokens (as one batch holding them all).
             micro_batches = [next(batches) for _ in range(cfg.grad_acc_steps)]
-            weights = token_weights([count_targets(batch) for batch in micro_batches])
+            weights = token_weights([count_targets(batch, causal_lm=False) for batch in micro_batches])
             for micro_step, batch in enumerate(micro_batches):
                 batch = move_to_device(batch, device)
                 perf.count_batch(batch)

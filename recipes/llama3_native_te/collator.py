@@ -13,7 +13,7 @@ Packing (THD) concatenates windows into exactly ``token_budget`` tokens: a windo
 head ends this batch and its tail starts the next one (as its own sequence, so attention never crosses).
 
 Context-parallel batches are padded from the THD batches made here, in ``context_parallel.py``. The scored-token
-counts of :func:`count_targets` weight the micro-batches of a step (``grad_accumulation.token_weights``).
+counts of ``grad_accumulation.count_targets`` weight the micro-batches of a step (``token_weights``).
 """
 
 from collections.abc import Iterable, Iterator
@@ -122,18 +122,3 @@ def pack_windows(
                 group, used = [], 0
     if group:
         yield group
-
-
-def count_targets(batch: dict) -> int:
-    """Tokens the model scores in ``batch``: a labelled token that is not the first of its sequence (the model
-    predicts token i from tokens before it, so a sequence's first label is never used)."""
-    if "shift_labels" in batch:  # context-parallel batch: targets already shifted, -100 where nothing is scored
-        return int((batch["shift_labels"] != IGNORE_INDEX).sum())
-    labels = batch["labels"]
-    if "cu_seq_lens_q" in batch:  # THD: one row, sequences start at cu_seq_lens_q[:-1]
-        scored = labels[0] != IGNORE_INDEX
-        scored[batch["cu_seq_lens_q"][:-1].long()] = False
-        return int(scored.sum())
-    lengths = batch["attention_mask"].sum(dim=1, keepdim=True)  # right padding: real tokens come first
-    first = torch.arange(labels.shape[1]) == 0
-    return int(((labels != IGNORE_INDEX) & ~first & (torch.arange(labels.shape[1]) < lengths)).sum())

@@ -13,10 +13,10 @@ from pathlib import Path
 import hydra
 import torch
 from checkpoint import Checkpointer, export_final_model, gather_full_state_dict
-from collator import count_targets, pad_token_id
+from collator import pad_token_id
 from dataset import create_dataloader
 from distributed import cleanup_distributed, move_to_device, setup_distributed
-from grad_accumulation import token_weights
+from grad_accumulation import count_targets, token_weights
 from mixed_precision import computes_in_bf16
 from model_setup import build_model
 from omegaconf import DictConfig, OmegaConf
@@ -69,7 +69,7 @@ def main(cfg: DictConfig) -> None:
             # Weight each micro-batch by its share of the step's scored tokens: k micro-batches then give the
             # gradient of one batch holding all of them, however the degenerate-base masking falls.
             micro_batches = [next(batches) for _ in range(cfg.grad_acc_steps)]
-            weights = token_weights([count_targets(batch) for batch in micro_batches])
+            weights = token_weights([count_targets(batch, causal_lm=True) for batch in micro_batches])
             for micro_step, batch in enumerate(micro_batches):
                 batch = move_to_device(batch, device)
                 perf.count_batch(batch)

@@ -16,7 +16,7 @@ THD packing lays pieces end to end in one row of exactly ``token_budget`` tokens
 window does not fit, its head (the tail starts the next batch as a sequence of its own: attention never crosses).
 
 Context-parallel batches are padded from the THD batches made here, in ``context_parallel.py``. The scored-token
-counts of :func:`count_targets` weight the micro-batches of a step (``grad_accumulation.token_weights``).
+counts of ``grad_accumulation.count_targets`` weight the micro-batches of a step (``token_weights``).
 """
 
 import numpy as np
@@ -84,18 +84,3 @@ def collate_bshd(windows: list[np.ndarray], labels: LabelMaker, pad_token_id: in
         "attention_mask": torch.from_numpy(mask),
         "labels": torch.from_numpy(np.where(mask == 1, labels(input_ids), IGNORE_INDEX)),
     }
-
-
-def count_targets(batch: dict) -> int:
-    """Tokens the model scores in ``batch``: labelled tokens that are not the first of their sequence (token i is
-    predicted from the tokens before it, so a sequence's first label is never used)."""
-    if "shift_labels" in batch:  # context-parallel batch: targets already shifted, -100 where nothing is scored
-        return int((batch["shift_labels"] != IGNORE_INDEX).sum())
-    labels = batch["labels"]
-    if "cu_seq_lens_q" in batch:  # THD: one row, sequences start at cu_seq_lens_q[:-1]
-        scored = labels[0] != IGNORE_INDEX
-        scored[batch["cu_seq_lens_q"][:-1].long()] = False
-        return int(scored.sum())
-    columns = torch.arange(labels.shape[1])
-    lengths = batch["attention_mask"].sum(dim=1, keepdim=True)  # right padding: real tokens come first
-    return int(((labels != IGNORE_INDEX) & (columns > 0) & (columns < lengths)).sum())

@@ -16,11 +16,11 @@ from pathlib import Path
 import hydra
 import torch
 from checkpoint import Checkpointer, export_final_model, gather_full_state_dict
-from collator import count_targets, pad_token_id
+from collator import pad_token_id
 from context_parallel import shard_for_context_parallel
 from dataset import create_dataloader
 from distributed import build_meshes, cleanup_distributed, move_to_device, setup_distributed
-from grad_accumulation import token_weights
+from grad_accumulation import count_targets, token_weights
 from model_setup import build_model
 from omegaconf import DictConfig, OmegaConf
 from optimizer import build_optimizer
@@ -101,7 +101,7 @@ def main(cfg: DictConfig) -> None:
             step_loss = torch.zeros((), device=device)
             # Weights come from the full batches, so every rank of a CP group uses the same ones.
             micro_batches = [next(batches) for _ in range(cfg.grad_acc_steps)]
-            weights = token_weights([count_targets(batch) for batch in micro_batches])
+            weights = token_weights([count_targets(batch, causal_lm=True) for batch in micro_batches])
             for micro_step, full_batch in enumerate(micro_batches):
                 batch = move_to_device(shard_for_context_parallel(full_batch, cp_rank, cfg.cp_size), device)
                 perf.count_batch(batch)

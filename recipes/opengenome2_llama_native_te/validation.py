@@ -18,10 +18,11 @@ from pathlib import Path
 
 import torch
 import torch.distributed as dist
-from collator import count_targets, pad_token_id
+from collator import pad_token_id
 from context_parallel import context_parallel_batch, shard_for_context_parallel
 from dataset import validation_batches
 from distributed import move_to_device
+from grad_accumulation import count_targets
 
 
 logger = logging.getLogger(__name__)
@@ -110,7 +111,7 @@ class Validator:
             else:
                 loss = model(**move_to_device(batch, self.device)).loss
             if real and self.cp_rank == 0:  # the loss is the CP group's mean: count it once per group
-                scored = count_targets(batch)
+                scored = count_targets(batch, causal_lm=True)
                 totals += torch.stack([loss.double() * scored, torch.tensor(scored, device=self.device).double()])
         if dist.is_initialized():
             dist.all_reduce(totals)

@@ -15,7 +15,7 @@ from model_contract_te import *  # noqa: F403  (its TE part, on GPU machines)
 from transformers import AutoModelForMaskedLM, EsmForMaskedLM
 
 from esm2_te.convert import convert_esm_hf_to_te, convert_esm_te_to_hf
-from esm2_te.export import export_hf_checkpoint
+from esm2_te.export import export_hf_checkpoint, save_nv_checkpoint
 from esm2_te.modeling_esm_te import NVEsmConfig, NVEsmForMaskedLM
 
 
@@ -45,6 +45,7 @@ CONTRACTS = {
         hf_to_nv=convert_esm_hf_to_te,
         nv_to_hf=convert_esm_te_to_hf,
         export=export_hf_checkpoint,
+        save_nv=save_nv_checkpoint,
         auto_class=AutoModelForMaskedLM,
         make_batch=batch,
         init_config=init_config,

@@ -16,7 +16,7 @@ from model_contract_te import *  # noqa: F403  (its TE part, on GPU machines)
 from transformers import AutoModelForCausalLM, LlamaForCausalLM
 
 from llama3_te.convert import convert_llama_hf_to_te, convert_llama_te_to_hf
-from llama3_te.export import export_hf_checkpoint
+from llama3_te.export import export_hf_checkpoint, save_nv_checkpoint
 from llama3_te.modeling_llama_te import NVLlamaConfig, NVLlamaForCausalLM
 
 
@@ -58,6 +58,7 @@ def llama_contract(tie: bool, shape: str, rope: str) -> ModelContract:
         hf_to_nv=convert_llama_hf_to_te,
         nv_to_hf=convert_llama_te_to_hf,
         export=export_hf_checkpoint,
+        save_nv=save_nv_checkpoint,
         auto_class=AutoModelForCausalLM,
         make_batch=batch,
         init_config=partial(init_config, tie),

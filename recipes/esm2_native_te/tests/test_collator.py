@@ -6,8 +6,9 @@ from pathlib import Path
 import numpy as np
 import pytest
 import torch
-from collator import IGNORE_INDEX, BSHDCollator, MLMMasker, THDCollator, count_targets
+from collator import IGNORE_INDEX, BSHDCollator, MLMMasker, THDCollator
 from context_parallel import shard_for_context_parallel, unshard_context_parallel
+from grad_accumulation import count_targets
 from transformers import AutoTokenizer
 
 
@@ -230,6 +231,6 @@ def test_count_targets_counts_the_full_batch_labels():
     assert expected > 0
     for collate in (BSHDCollator(masker, PAD, cp_size=2), THDCollator(masker, PAD, cp_size=2)):
         full = collate(samples)
-        assert count_targets(full) == expected  # CP padding and BSHD padding carry no label
+        assert count_targets(full, causal_lm=False) == expected  # CP padding and BSHD padding carry no label
         shards = [shard_for_context_parallel(full, r, 2) for r in (0, 1)]
-        assert sum(count_targets(shard) for shard in shards) == expected
+        assert sum(count_targets(shard, causal_lm=False) for shard in shards) == expected

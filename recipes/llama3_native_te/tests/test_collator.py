@@ -8,12 +8,11 @@ from collator import (
     LabelMaker,
     collate_bshd,
     collate_thd,
-    count_targets,
     pack_windows,
     pad_token_id,
 )
 from context_parallel import context_parallel_batch, shard_for_context_parallel
-from grad_accumulation import token_weights
+from grad_accumulation import count_targets, token_weights
 from recipe_paths import recipe_path
 from sequence_windows import window_starts
 from transformers import AutoTokenizer
@@ -105,14 +104,16 @@ def test_count_targets_by_hand(tokenizer):
     labels = LabelMaker(tokenizer)
     # BSHD: "ACNG" scores C, G (A is first, N masked); "TT" scores T.
     bshd = collate_bshd([ids(tokenizer, "ACNG"), ids(tokenizer, "TT")], labels, tokenizer.pad_token_id)
-    assert count_targets(bshd) == 3
+    assert count_targets(bshd, causal_lm=True) == 3
     # THD: sequences "ACG" | "NTT" | "A": scored C, G | T, T | (none).
     thd = collate_thd([ids(tokenizer, "ACG"), ids(tokenizer, "NTT"), ids(tokenizer, "A")], labels)
-    assert count_targets(thd) == 4
-    assert token_weights([count_targets(bshd), count_targets(thd)]) == pytest.approx([3 / 7, 4 / 7])
+    assert count_targets(thd, causal_lm=True) == 4
+    assert token_weights([count_targets(bshd, causal_lm=True), count_targets(thd, causal_lm=True)]) == pytest.approx(
+        [3 / 7, 4 / 7]
+    )
     empty = collate_thd([ids(tokenizer, "N")], labels)
-    assert count_targets(empty) == 0
-    assert token_weights([count_targets(empty)] * 2) == [0.5, 0.5]
+    assert count_targets(empty, causal_lm=True) == 0
+    assert token_weights([count_targets(empty, causal_lm=True)] * 2) == [0.5, 0.5]
 
 
 def test_pad_token_id_falls_back_to_eos(tokenizer):
@@ -134,7 +135,7 @@ def test_context_parallel_batch_by_hand(tokenizer):
     assert batch["shift_labels"][0].tolist() == [A, C, -100, T, -100, -100, -100, -100, T, A, -100, -100]
     assert batch["cu_seq_lens_q_padded"].tolist() == [0, 8, 12] == batch["cu_seq_lens_q"].tolist()
     assert batch["max_length_q"] == 8 and "labels" not in batch
-    assert count_targets(batch) == 5
+    assert count_targets(batch, causal_lm=True) == 5
 
     # Rank 0 keeps chunks 0 and 3 of every piece (chunks of 2 and 1 tokens), rank 1 chunks 1 and 2.
     shards = [shard_for_context_parallel(batch, rank, 2) for rank in (0, 1)]

@@ -6,8 +6,8 @@ from types import SimpleNamespace
 import numpy as np
 import pytest
 import torch
-from collator import IGNORE_INDEX, LabelMaker, collate_bshd, collate_thd, count_targets, pad_token_id
-from grad_accumulation import token_weights
+from collator import IGNORE_INDEX, LabelMaker, collate_bshd, collate_thd, pad_token_id
+from grad_accumulation import count_targets, token_weights
 from sequence_windows import sequence_windows, window_starts
 
 
@@ -104,11 +104,13 @@ def test_count_targets_and_token_weights_by_hand(tokenizer):
     labels = LabelMaker(tokenizer)
     # BSHD: "ACNG" scores C, G (A is first, N masked); "TT" scores the second T.
     bshd = collate_bshd([ids(tokenizer, "ACNG"), ids(tokenizer, "TT")], labels, tokenizer.pad_token_id)
-    assert count_targets(bshd) == 3
+    assert count_targets(bshd, causal_lm=True) == 3
     # THD: "ACG" | "NTT" | "A": scored C, G | T, T | nothing.
     thd = collate_thd([ids(tokenizer, "ACG"), ids(tokenizer, "NTT"), ids(tokenizer, "A")], labels)
-    assert count_targets(thd) == 4
-    assert token_weights([count_targets(bshd), count_targets(thd)]) == pytest.approx([3 / 7, 4 / 7])
+    assert count_targets(thd, causal_lm=True) == 4
+    assert token_weights([count_targets(bshd, causal_lm=True), count_targets(thd, causal_lm=True)]) == pytest.approx(
+        [3 / 7, 4 / 7]
+    )
     empty = collate_thd([ids(tokenizer, "N")], labels)
-    assert count_targets(empty) == 0
-    assert token_weights([count_targets(empty)] * 2) == [0.5, 0.5]
+    assert count_targets(empty, causal_lm=True) == 0
+    assert token_weights([count_targets(empty, causal_lm=True)] * 2) == [0.5, 0.5]
