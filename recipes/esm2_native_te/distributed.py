@@ -9,6 +9,7 @@ asks for one (FSDP2 needs a group even when alone), no process group exists and 
 
 import logging
 import os
+import sys
 from dataclasses import dataclass
 
 import torch
@@ -115,10 +116,24 @@ def build_meshes(dist_config: DistributedConfig, device: torch.device, cp_size: 
 
 
 def cleanup_distributed() -> None:
-    """Destroy the process group so the run exits without NCCL/gloo teardown warnings."""
-    if dist.is_initialized():
-        dist.barrier()
-        dist.destroy_process_group()
+    """End a run's process group: wait for every rank, destroy the group, and on gloo end the process here.
+
+    Call it last, once every output is written. With gloo (CPU runs) torch joins the group's worker threads in a
+    C++ destructor that holds the GIL, while a worker still freeing the last collective's tensors waits for that
+    GIL: the process hangs after its work is done (once in 20 two-process CPU runs here). So on gloo the logs are
+    flushed and the process leaves with ``os._exit(0)`` before the objects holding the group (the DDP reducer, the
+    device meshes) are freed. NCCL runs return normally.
+    """
+    if not dist.is_initialized():
+        return
+    uses_gloo = dist.get_backend() == "gloo"
+    dist.barrier()  # a rank that leaves early would break the other ranks' teardown
+    dist.destroy_process_group()
+    if uses_gloo:
+        logging.shutdown()
+        sys.stdout.flush()
+        sys.stderr.flush()
+        os._exit(0)
 
 
 def move_to_device(batch: dict, device: torch.device) -> dict:
