@@ -81,10 +81,16 @@ def model_source(cfg: DictConfig) -> str:
 
 
 def _is_stock_esm(source: str) -> bool:
-    model_type = PretrainedConfig.get_config_dict(source)[0].get("model_type")
+    """True for a stock Hugging Face ESM-2 checkpoint, False for an NVEsm one (an export or a model config).
+
+    Both say ``model_type: esm`` (NVEsm exports use the stock type so that tokenizers load without custom code; older
+    ones said ``nv_esm``); an NVEsm config names its own classes in ``architectures``.
+    """
+    config = PretrainedConfig.get_config_dict(source)[0]
+    model_type = config.get("model_type")
     if model_type not in ("esm", "nv_esm"):
-        raise ValueError(f"model_tag {source} holds a {model_type!r} model, not ESM-2 ('esm' or 'nv_esm')")
-    return model_type == "esm"
+        raise ValueError(f"model_tag {source} holds a {model_type!r} model, not ESM-2 ('esm')")
+    return model_type == "esm" and not any(name.startswith("NVEsm") for name in config.get("architectures") or [])
 
 
 def load_model_config(cfg: DictConfig) -> tuple[NVEsmConfig, QuantizationPlan]:

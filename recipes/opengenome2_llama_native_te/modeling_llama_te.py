@@ -76,7 +76,10 @@ class NVLlamaConfig(LlamaConfig):
     ``original_max_position_embeddings``); the legacy ``rope_scaling``/``rope_theta`` arguments are accepted.
     """
 
-    model_type = "nv_llama"
+    # The stock model type, so that a plain ``AutoTokenizer.from_pretrained(export)`` (which reads config.json)
+    # finds a config class without running custom code and never asks to. Our classes load through ``auto_map``
+    # with ``trust_remote_code=True``; the exported ``architectures`` (NVLlama...) tell the two layouts apart.
+    model_type = "llama"
 
     # "auto" | "te" | "torch"; see module docstring.
     backend: str = "auto"

@@ -62,7 +62,10 @@ _MASK_RATIO_TRAIN = 0.15 * 0.8
 class NVEsmConfig(EsmConfig):
     """``EsmConfig`` plus the backend, vocabulary padding and per-layer precision. Defaults are ESM-2's."""
 
-    model_type = "nv_esm"
+    # The stock model type, so that a plain ``AutoTokenizer.from_pretrained(export)`` (which reads config.json)
+    # finds a config class without running custom code and never asks to. Our classes load through ``auto_map``
+    # with ``trust_remote_code=True``; the exported ``architectures`` (NVEsm...) tell the two layouts apart.
+    model_type = "esm"
 
     vocab_size: int | None = 33
     mask_token_id: int | None = 32

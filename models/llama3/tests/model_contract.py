@@ -293,6 +293,61 @@ def test_export_loads_offline_and_matches_the_stock_model(contract, tmp_path, mo
         assert torch.equal(stock[key], value), key
 
 
+# What a user types in a fresh interpreter: the tokenizer without trust_remote_code, then the model.
+LOAD_AS_A_USER = """
+import sys
+import transformers
+from transformers import AutoTokenizer
+
+path, auto_class, trust, texts = sys.argv[1], getattr(transformers, sys.argv[2]), sys.argv[3] == "trust", sys.argv[4:]
+tokenizer = AutoTokenizer.from_pretrained(path)
+model = auto_class.from_pretrained(path, trust_remote_code=True) if trust else auto_class.from_pretrained(path)
+batch = tokenizer(texts, return_tensors="pt", padding=True)
+batch.pop("token_type_ids", None)
+print(type(model).__name__, tuple(model(**batch).logits.shape))
+"""
+
+
+def load_as_a_user(contract: ModelContract, export_dir: Path, trust_remote_code: bool) -> subprocess.CompletedProcess:
+    """Run LOAD_AS_A_USER as a batch job would: stdin closed, no network, no GPU, none of the tests' paths."""
+    env = {k: v for k, v in os.environ.items() if k not in ("PYTHONPATH", "TRANSFORMERS_VERBOSITY")}
+    env.update({"HF_HUB_OFFLINE": "1", "CUDA_VISIBLE_DEVICES": ""})  # the CPU load; the TE one is a GPU test
+    trust = "trust" if trust_remote_code else "no-trust"
+    command = [sys.executable, "-c", LOAD_AS_A_USER, str(export_dir), contract.auto_class.__name__, trust]
+    return subprocess.run(
+        [*command, *contract.tokenizer_texts],
+        stdin=subprocess.DEVNULL,
+        capture_output=True,
+        text=True,
+        timeout=300,
+        env=env,
+        cwd=export_dir.parent,
+    )
+
+
+def test_export_loads_in_a_fresh_process_without_prompts_or_warnings(contract, tmp_path):
+    """The README's two lines load the export in a batch job, and print nothing on the way: no "Do you wish to run
+    the custom code?" prompt for the tokenizer, no model-type warning for the model."""
+    _, out = export_stock_model(contract, tmp_path)
+    result = load_as_a_user(contract, out, trust_remote_code=True)
+    assert result.returncode == 0, result.stderr
+    assert result.stdout.startswith(contract.nv_class.__name__), result.stdout
+    # transformers' own "Loading weights" progress bar is the one thing allowed on stderr.
+    printed = [line for line in result.stderr.splitlines() if line.strip() and "Loading weights" not in line]
+    assert not printed, "loading printed:\n" + "\n".join(printed)
+
+
+def test_export_without_trust_remote_code_is_never_silently_the_stock_model(contract, tmp_path):
+    """config.json says the stock model type (so tokenizers load without custom code). Without trust_remote_code,
+    transformers builds its own class, which cannot read the fused layers: the load fails (a size mismatch) or
+    reports the weights it could not load; it never passes quietly for the trained model."""
+    _, out = export_stock_model(contract, tmp_path)
+    result = load_as_a_user(contract, out, trust_remote_code=False)
+    assert "LOAD REPORT" in result.stderr and ("MISSING" in result.stderr or "MISMATCH" in result.stderr), (
+        result.stderr
+    )
+
+
 # -------------------------------------------------------------------------------------------------- THD = BSHD
 
 
