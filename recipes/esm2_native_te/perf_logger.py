@@ -1,5 +1,5 @@
 # Copied from common/perf_logger.py — edit the source, then run ci/check_copies.py --fix
-"""Training metrics: progress bar, loss/throughput/MFU logging, Weights & Biases, summary.json, profiler window.
+"""Training metrics: progress, loss/throughput/MFU logging, Weights & Biases, summary.json, profiler window.
 
 The hot loop must not wait for the GPU, so per-step values (loss, token counts, attention work) are accumulated as
 device tensors and read back with ``.item()`` only on logging steps, every ``log_every`` steps. A logging step is
@@ -7,12 +7,17 @@ collective: all ranks reduce their counters together, rank 0 prints and writes.
 
 Throughput counts *unpadded* tokens (BSHD: ``attention_mask.sum()``; THD: tokens that are not ``<pad>``, so a
 packed batch's padding pseudo-sequence does not count) summed over ranks and divided by the world size.
+
+Progress goes to a terminal as a tqdm bar. Off a terminal (a log file, SLURM, ``docker run`` without ``-t``) a bar
+is one endless line of carriage returns, so there rank 0 logs one plain line per logging step instead (step, loss,
+gradient norm, tokens/s, MFU, ETA), and transformers' own bars (the export's "Writing model shards") are off.
 """
 
 import json
 import logging
 import math
 import statistics
+import sys
 import time
 from contextlib import nullcontext
 from dataclasses import dataclass
@@ -21,6 +26,7 @@ from typing import Any
 
 import torch
 import torch.distributed as dist
+import transformers
 from tqdm.auto import tqdm
 
 
@@ -116,13 +122,17 @@ class PerfLogger:
         self._window_start_time = time.perf_counter()
         self.history: list[dict[str, float]] = []
 
-        self._progress = None
+        self._start_step, self._start_time = start_step, time.perf_counter()
+        self._progress = None  # the tqdm bar on a terminal; None off one (and on ranks > 0)
         self._wandb = None
         if self.rank == 0:
             self._wandb = _init_wandb(cfg)
             self.output_dir.mkdir(parents=True, exist_ok=True)
             self._metrics_file = (self.output_dir / "metrics.jsonl").open("a")
-            self._progress = tqdm(total=self.total_steps, initial=start_step, desc="train", dynamic_ncols=True)
+            if sys.stderr.isatty():
+                self._progress = tqdm(total=self.total_steps, initial=start_step, desc="train", dynamic_ncols=True)
+            else:
+                transformers.utils.logging.disable_progress_bar()
 
     # ------------------------------------------------------------------ hot loop: no host-device sync here
 
@@ -178,9 +188,12 @@ class PerfLogger:
         if self.rank == 0:
             self._metrics_file.write(json.dumps(metrics) + "\n")
             self._metrics_file.flush()
-            self._progress.set_postfix(
-                loss=f"{loss:.4f}", gnorm=f"{metrics['grad_norm']:.3f}", tok_s=f"{tokens_per_gpu_s:.3g}"
-            )
+            if self._progress is not None:
+                self._progress.set_postfix(
+                    loss=f"{loss:.4f}", gnorm=f"{metrics['grad_norm']:.3f}", tok_s=f"{tokens_per_gpu_s:.3g}"
+                )
+            else:
+                logger.info(self._progress_line(metrics))
             if self._wandb is not None:
                 self._wandb.log({k: v for k, v in metrics.items() if k != "step"}, step=step)
 
@@ -188,11 +201,22 @@ class PerfLogger:
         self._window_steps, self._window_start_step = 0, step
         self._window_start_time = time.perf_counter()
 
+    def _progress_line(self, metrics: dict[str, float]) -> str:
+        """``step 40/150 | loss 3.2154 | grad_norm 2.505 | 1.95e+03 tokens/s/gpu | mfu 0.1% | eta 1m12s``."""
+        step = int(metrics["step"])
+        seconds_per_step = (time.perf_counter() - self._start_time) / max(step - self._start_step, 1)
+        return (
+            f"step {step}/{self.total_steps} | loss {metrics['loss']:.4f} | grad_norm {metrics['grad_norm']:.3f} | "
+            f"{metrics['tokens_per_second_per_gpu']:.3g} tokens/s/gpu | mfu {100 * metrics['mfu']:.1f}% | "
+            f"eta {format_duration(seconds_per_step * (self.total_steps - step))}"
+        )
+
     def finish(self) -> dict[str, Any] | None:
         """Close the bar and W&B run; on rank 0 write and return ``summary.json``."""
         if self.rank != 0:
             return None
-        self._progress.close()
+        if self._progress is not None:
+            self._progress.close()
         self._metrics_file.close()
         # Windows that start after warm-up (compilation, allocator growth, first NCCL calls) measure steady state.
         steady = [m for m in self.history if m["window_start_step"] >= self.warmup_steps] or self.history
@@ -220,6 +244,16 @@ class PerfLogger:
 def _median(values) -> float | None:
     values = list(values)
     return statistics.median(values) if values else None
+
+
+def format_duration(seconds: float) -> str:
+    """``45s``, ``3m12s``, ``2h05m``: an ETA at the precision that matters."""
+    seconds = max(int(round(seconds)), 0)
+    hours, rest = divmod(seconds, 3600)
+    minutes, seconds = divmod(rest, 60)
+    if hours:
+        return f"{hours}h{minutes:02d}m"
+    return f"{minutes}m{seconds:02d}s" if minutes else f"{seconds}s"
 
 
 def _init_wandb(cfg):

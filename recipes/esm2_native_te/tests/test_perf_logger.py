@@ -4,7 +4,7 @@ import sys
 import pytest
 import torch
 from omegaconf import OmegaConf
-from perf_logger import ModelFlops, PerfLogger, Profiler, batch_token_stats
+from perf_logger import ModelFlops, PerfLogger, Profiler, batch_token_stats, format_duration
 
 
 PAD = 1
@@ -81,6 +81,39 @@ def test_logs_every_n_steps_and_writes_summary(tmp_path, monkeypatch):
     assert summary["config_name"] == "unit"
     assert summary["logged_windows_in_medians"] == 2  # the window starting at step 0 is warm-up
     assert summary["median_tokens_per_second_per_gpu"] > 0
+
+
+def _run_six_steps(tmp_path, start_step=0):
+    perf = PerfLogger(_cfg(tmp_path), ModelFlops(1000, 1, 8), pad_token_id=PAD, start_step=start_step)
+    batch = {"input_ids": torch.ones(2, 3, dtype=torch.long), "attention_mask": torch.ones(2, 3, dtype=torch.long)}
+    for step in range(start_step + 1, 7):
+        perf.count_batch(batch)
+        perf.log_step(step, torch.tensor(float(step)), torch.tensor(0.5), lr=0.1)
+    perf.finish()
+
+
+def test_off_a_terminal_progress_is_one_plain_line_per_logging_step(tmp_path, caplog, capsys):
+    """stderr is not a TTY under pytest, as in a log file or a SLURM job: no bar, no carriage returns."""
+    with caplog.at_level("INFO", logger="perf_logger"):
+        _run_six_steps(tmp_path, start_step=2)
+    lines = [r.getMessage() for r in caplog.records if r.name == "perf_logger"]
+    assert [line.split(" | ")[0] for line in lines] == ["step 4/6", "step 6/6"]
+    assert lines[0].startswith("step 4/6 | loss 3.5000 | grad_norm 0.500 | ")
+    assert "tokens/s/gpu | mfu " in lines[0] and lines[-1].endswith("| eta 0s")
+    captured = capsys.readouterr()
+    assert "\r" not in captured.err + captured.out and "it/s" not in captured.err
+
+
+def test_on_a_terminal_progress_is_a_bar(tmp_path, caplog, monkeypatch):
+    monkeypatch.setattr(sys.stderr, "isatty", lambda: True, raising=False)
+    with caplog.at_level("INFO", logger="perf_logger"):
+        _run_six_steps(tmp_path)
+    assert not [r for r in caplog.records if r.name == "perf_logger" and r.getMessage().startswith("step ")]
+
+
+@pytest.mark.parametrize(("seconds", "text"), [(0, "0s"), (44.6, "45s"), (192, "3m12s"), (7500, "2h05m")])
+def test_format_duration(seconds, text):
+    assert format_duration(seconds) == text
 
 
 def test_wandb_enabled_without_package_says_so(tmp_path, monkeypatch):
