@@ -136,6 +136,7 @@ def reshard(
         _flush(tmp, pending)
         if rows == 0:
             raise ValueError(f"no sequences found in {[str(f) for f in files]}")
+        logger.info("pass 1/2: %d sequences scattered as %d rows over %d buckets", sequences, rows, num_buckets)
 
         # Pass 2: permute each bucket in memory and cut the concatenation into shards.
         writer = _ShardWriter(output_dir, rows_per_shard, sequence_column, chunked=bool(chunk_length))
@@ -148,6 +149,7 @@ def reshard(
                 writer.add(json.loads(lines[index]))
             path.unlink()
         writer.close()
+        logger.info("pass 2/2: %d buckets shuffled and cut into %d shard(s)", num_buckets, len(writer.shards))
     finally:
         shutil.rmtree(tmp, ignore_errors=True)
 
@@ -217,7 +219,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--chunk-overlap", type=int, default=0, help="bases shared by neighbouring chunks")
     parser.add_argument("--num-buckets", type=int, default=None, help="temporary buckets (default: ~512 MB each)")
     parser.add_argument("--overwrite", action="store_true", help="replace a non-empty --output-dir")
-    parser.add_argument("--quiet", action="store_true", help="no progress bars")
+    parser.add_argument("--quiet", action="store_true", help="no progress bars (off anyway when not on a terminal)")
     args = parser.parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(name)s: %(message)s")
     try:
@@ -231,7 +233,7 @@ def main(argv: list[str] | None = None) -> int:
             chunk_overlap=args.chunk_overlap,
             num_buckets=args.num_buckets,
             overwrite=args.overwrite,
-            progress=not args.quiet,
+            progress=not args.quiet and sys.stderr.isatty(),  # off a terminal a bar is one line of carriage returns
         )
     except (FileNotFoundError, FileExistsError, ValueError) as error:
         print(f"reshard_to_parquet: error: {error}", file=sys.stderr)

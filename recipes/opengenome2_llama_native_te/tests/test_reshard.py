@@ -94,6 +94,7 @@ def test_cli_reports_progress_and_a_summary(tmp_path):
     result = run_cli(str(tmp_path / "a.jsonl.gz"), "--output-dir", str(tmp_path / "out"), "--rows-per-shard", "7")
     assert result.returncode == 0, result.stderr
     assert "pass 1/2" in result.stderr and "pass 2/2" in result.stderr
+    assert "\r" not in result.stderr  # stderr is a pipe here: log lines, no progress bar
     assert "wrote 30 rows from 30 sequences into 5 shard(s)" in result.stderr
 
 
