@@ -4,6 +4,7 @@ Layout of ``<ckpt_dir>``::
 
     step_100/            complete: holds a COMPLETE marker, the only kind ever resumed from
     step_200.tmp/        being written (or left behind by a crash): ignored by resume and by pruning
+    step_50.pruning/     an old checkpoint being deleted (or left behind by a crash): removed by the next prune
 
 A checkpoint is written under ``step_<N>.tmp`` and only renamed to ``step_<N>`` with its ``COMPLETE`` marker once
 every rank's files are on disk, so a job killed mid-save never resumes from half a checkpoint. For an asynchronous
@@ -45,6 +46,7 @@ logger = logging.getLogger(__name__)
 Strategy = Literal["ddp", "fsdp2", "mfsdp"]
 COMPLETE_MARKER = "COMPLETE"
 _STEP_DIR = re.compile(r"^step_(\d+)$")
+_PRUNING_SUFFIX = ".pruning"
 
 
 # --------------------------------------------------------------------------------------------------------------------
@@ -84,14 +86,20 @@ def prune_checkpoints(ckpt_dir: str | Path, max_checkpoints: int | None) -> list
 
     Only complete checkpoints are candidates: an in-progress ``.tmp`` directory may belong to a save still running,
     and the newest complete one is always kept (``max_checkpoints`` below 1 is treated as 1).
+
+    A checkpoint is renamed to ``step_<N>.pruning`` before its files are deleted. Deleting them one by one may remove
+    the marker first, so a job killed midway would otherwise leave a ``step_<N>`` without one, which no later prune
+    would touch. Leftover ``.pruning`` directories are deleted here.
     """
     if max_checkpoints is None:
         return []
+    for leftover in Path(ckpt_dir).glob(f"step_*{_PRUNING_SUFFIX}"):
+        shutil.rmtree(leftover, ignore_errors=True)
     complete = complete_checkpoints(ckpt_dir)
     doomed = [path for _, path in complete[: max(0, len(complete) - max(1, max_checkpoints))]]
     for path in doomed:
         logger.info("Pruning old checkpoint %s", path)
-        shutil.rmtree(path, ignore_errors=True)
+        shutil.rmtree(path.rename(path.with_name(path.name + _PRUNING_SUFFIX)), ignore_errors=True)
     return doomed
 
 

@@ -1,4 +1,5 @@
 import logging
+import shutil
 
 import pytest
 import torch
@@ -51,6 +52,34 @@ def test_pruning_never_deletes_the_newest_complete(tmp_path):
     assert [step for step, _ in complete_checkpoints(tmp_path)] == [2]
     prune_checkpoints(tmp_path, max_checkpoints=None)  # None keeps everything
     assert [step for step, _ in complete_checkpoints(tmp_path)] == [2]
+
+
+class Killed(BaseException):
+    """Stands for SIGKILL: nothing after it runs."""
+
+
+def test_pruning_killed_midway_leaves_no_checkpoint_without_marker(tmp_path, monkeypatch):
+    """A job killed while pruning, after the marker happened to be deleted first (rmtree deletes in directory order):
+    what is left must not be a step_N without its marker, which no prune would ever remove; the next prune cleans up."""
+    for step in (1, 2, 3):
+        _make(tmp_path, f"step_{step}")
+        (tmp_path / f"step_{step}" / "train_state.pt").write_bytes(b"weights")
+    real_rmtree = shutil.rmtree
+
+    def killed_rmtree(path, ignore_errors=False):
+        (path / COMPLETE_MARKER).unlink()
+        raise Killed
+
+    monkeypatch.setattr(shutil, "rmtree", killed_rmtree)
+    with pytest.raises(Killed):
+        prune_checkpoints(tmp_path, max_checkpoints=2)
+    monkeypatch.setattr(shutil, "rmtree", real_rmtree)
+    unmarked = [p.name for p in tmp_path.glob("step_*") if p.suffix == "" and not (p / COMPLETE_MARKER).exists()]
+    assert not unmarked
+    assert find_latest_checkpoint(tmp_path) == tmp_path / "step_3"
+
+    prune_checkpoints(tmp_path, max_checkpoints=2)
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["step_2", "step_3"]
 
 
 @pytest.mark.parametrize(
