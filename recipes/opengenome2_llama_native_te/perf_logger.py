@@ -128,7 +128,10 @@ class PerfLogger:
         if self.rank == 0:
             self._wandb = _init_wandb(cfg)
             self.output_dir.mkdir(parents=True, exist_ok=True)
-            self._metrics_file = (self.output_dir / "metrics.jsonl").open("a")
+            metrics_path = self.output_dir / "metrics.jsonl"
+            if start_step > 0:
+                drop_metrics_after(metrics_path, start_step)
+            self._metrics_file = metrics_path.open("a")
             if sys.stderr.isatty():
                 self._progress = tqdm(total=self.total_steps, initial=start_step, desc="train", dynamic_ncols=True)
             else:
@@ -218,6 +221,11 @@ class PerfLogger:
         if self._progress is not None:
             self._progress.close()
         self._metrics_file.close()
+        summary_path = self.output_dir / "summary.json"
+        if not self.history and summary_path.exists():
+            # A relaunch of a finished run (say, after a kill during the export) trains nothing: keep its summary.
+            logger.info("No step logged in this launch; %s is kept as it was", summary_path)
+            return json.loads(summary_path.read_text())
         # Windows that start after warm-up (compilation, allocator growth, first NCCL calls) measure steady state.
         steady = [m for m in self.history if m["window_start_step"] >= self.warmup_steps] or self.history
         summary = {
@@ -234,7 +242,7 @@ class PerfLogger:
             "peak_flops_per_gpu": self.peak_flops,
             "device": torch.cuda.get_device_name() if torch.cuda.is_available() else "cpu",
         }
-        (self.output_dir / "summary.json").write_text(json.dumps(summary, indent=2) + "\n")
+        summary_path.write_text(json.dumps(summary, indent=2) + "\n")
         if self._wandb is not None:
             self._wandb.summary.update(summary)
             self._wandb.finish()
@@ -244,6 +252,31 @@ class PerfLogger:
 def _median(values) -> float | None:
     values = list(values)
     return statistics.median(values) if values else None
+
+
+def drop_metrics_after(path: Path, step: int) -> None:
+    """Keep the lines of ``metrics.jsonl`` up to ``step``, the checkpoint a run resumes from.
+
+    The steps after it were logged by a run that died before its next checkpoint; they are about to be trained (and
+    logged) again. A line torn by a kill mid-write goes too. So the file holds one line per logged step.
+    """
+    if not path.exists():
+        return
+    lines = path.read_text().splitlines()
+    kept = []
+    for line in lines:
+        try:
+            if json.loads(line)["step"] <= step:
+                kept.append(line)
+        except (json.JSONDecodeError, KeyError, TypeError):
+            continue
+    if kept != lines:
+        staging = path.with_name(path.name + ".tmp")
+        staging.write_text("".join(line + "\n" for line in kept))
+        staging.replace(path)
+        logger.info(
+            "%s: dropped %d line(s) after step %d, which this run trains again", path, len(lines) - len(kept), step
+        )
 
 
 def format_duration(seconds: float) -> str:

@@ -127,6 +127,20 @@ def kill_during_save(process: subprocess.Popen, ckpt_dir: Path, saves: int, dela
     return True
 
 
+def metrics_of_this_launch(before: str, output_dir: Path, newest_complete: int) -> list[dict]:
+    """The metrics lines the last launch wrote. A resumed run first drops the lines after its checkpoint's step
+    (perf_logger.drop_metrics_after), so its own lines follow the kept ones; otherwise they follow all of them."""
+    if not (output_dir / "metrics.jsonl").exists():
+        return []
+    now = read_metrics(output_dir)  # every line must parse: a torn line would spoil the next launch's appends
+    earlier = [json.loads(line) for line in before.splitlines()]
+    if now[: len(earlier)] == earlier:
+        return now[len(earlier) :]
+    kept = [m for m in earlier if m["step"] <= newest_complete]
+    assert now[: len(kept)] == kept, "the resumed run changed metrics lines up to its checkpoint"
+    return now[len(kept) :]
+
+
 def check_resume(log: str, new_metrics: list[dict], newest_complete: int) -> None:
     """The launch resumed from the newest complete checkpoint (0: none, start afresh), as far as it got."""
     resumed = [int(step) for step in re.findall(r"Resumed from \S+ \(step (\d+)\)", log)]
@@ -147,7 +161,7 @@ def train_with_kills(
         newest_complete = max(complete_steps(ckpt_dir), default=0)
         trials.resumed_from.append(newest_complete)
         tmp_before = tmp_dirs(ckpt_dir)
-        lines_before = len(metrics_file.read_text().splitlines()) if metrics_file.exists() else 0
+        lines_before_text = metrics_file.read_text() if metrics_file.exists() else ""
         log_file = output_dir / f"launch{trials.launches}.log"
         process = start_script(config.script, *overrides(config, output_dir, steps), log_file=log_file, nproc=2)
         trials.launches += 1
@@ -162,7 +176,7 @@ def train_with_kills(
         if not killed:
             assert process.wait(timeout=TIMEOUT_S) == 0, log_file.read_text()[-5000:]
         # Every line must parse (read_metrics): a torn last line would also spoil the relaunch's first append.
-        new_metrics = read_metrics(output_dir)[lines_before:] if metrics_file.exists() else []
+        new_metrics = metrics_of_this_launch(lines_before_text, output_dir, newest_complete)
         check_resume(log_file.read_text(), new_metrics, newest_complete)
         if not killed:
             return trials

@@ -4,7 +4,7 @@ import sys
 import pytest
 import torch
 from omegaconf import OmegaConf
-from perf_logger import ModelFlops, PerfLogger, Profiler, batch_token_stats, format_duration
+from perf_logger import ModelFlops, PerfLogger, Profiler, batch_token_stats, drop_metrics_after, format_duration
 
 
 PAD = 1
@@ -114,6 +114,32 @@ def test_on_a_terminal_progress_is_a_bar(tmp_path, caplog, monkeypatch):
 @pytest.mark.parametrize(("seconds", "text"), [(0, "0s"), (44.6, "45s"), (192, "3m12s"), (7500, "2h05m")])
 def test_format_duration(seconds, text):
     assert format_duration(seconds) == text
+
+
+def test_a_resume_drops_the_lines_it_trains_again_and_a_torn_line(tmp_path):
+    metrics = tmp_path / "metrics.jsonl"
+    metrics.write_text(
+        "".join(json.dumps({"step": step, "loss": 1.0}) + "\n" for step in (2, 4, 6)) + '{"step": 8, "lo'
+    )
+    drop_metrics_after(metrics, 4)
+    assert [json.loads(line)["step"] for line in metrics.read_text().splitlines()] == [2, 4]
+    _run_six_steps(tmp_path, start_step=4)  # the resumed run logs step 6 once more
+    assert [json.loads(line)["step"] for line in metrics.read_text().splitlines()] == [2, 4, 6]
+
+
+def test_a_fresh_run_appends_to_an_existing_metrics_file(tmp_path):
+    (tmp_path / "metrics.jsonl").write_text(json.dumps({"step": 6, "loss": 1.0}) + "\n")
+    _run_six_steps(tmp_path)
+    assert [json.loads(line)["step"] for line in (tmp_path / "metrics.jsonl").read_text().splitlines()] == [6, 2, 4, 6]
+
+
+def test_a_launch_that_trains_nothing_keeps_the_summary(tmp_path):
+    """Relaunching a finished run (e.g. after a kill during the export) must not overwrite its summary with nothing."""
+    _run_six_steps(tmp_path)
+    summary = json.loads((tmp_path / "summary.json").read_text())
+    assert summary["steps"] == 6
+    _run_six_steps(tmp_path, start_step=6)
+    assert json.loads((tmp_path / "summary.json").read_text()) == summary
 
 
 def test_wandb_enabled_without_package_says_so(tmp_path, monkeypatch):
