@@ -14,6 +14,7 @@ from dataclasses import dataclass
 import torch
 import torch.distributed as dist
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
+from user_errors import ConfigError
 
 
 logger = logging.getLogger(__name__)
@@ -105,7 +106,11 @@ def build_meshes(dist_config: DistributedConfig, device: torch.device, cp_size: 
     ranks hold identical weights, so sharding over them too saves memory at no extra communication volume.
     """
     if cp_size < 1 or dist_config.world_size % cp_size != 0:
-        raise ValueError(f"cp_size={cp_size} must be >= 1 and divide the world size {dist_config.world_size}")
+        raise ConfigError(
+            f"cp_size={cp_size} must be >= 1 and divide the number of processes ({dist_config.world_size}): launch a "
+            f"multiple of {cp_size} processes (torchrun --nproc_per_node=...) or pick a cp_size that divides "
+            f"{dist_config.world_size}"
+        )
     dp_size = dist_config.world_size // cp_size
     if cp_size == 1:
         mesh = init_device_mesh(device.type, (dp_size,), mesh_dim_names=("dp",))

@@ -64,6 +64,7 @@ from collator import BSHDCollator, MLMMasker, THDCollator, round_up
 from datasets.distributed import split_dataset_by_node
 from torch.utils.data.distributed import DistributedSampler
 from torchdata.stateful_dataloader import StatefulDataLoader
+from user_errors import ConfigError, PathNotFoundError
 
 
 logger = logging.getLogger(__name__)
@@ -105,8 +106,9 @@ def _expand_files(path: str) -> list[str]:
     files = sorted(glob.glob(path)) if glob.has_magic(path) else [path]
     missing = [f for f in files if not os.path.isfile(f)]
     if not files or missing:
-        raise FileNotFoundError(
-            f"data path {path!r} matches no file" + (f" ({missing[0]!r} missing)" if missing else "")
+        raise PathNotFoundError(
+            f"data path {path!r} matches no file" + (f" ({missing[0]!r} missing)" if missing else "") + "; point "
+            "dataset.path at a FASTA, Parquet, CSV or JSONL file, a glob, or a Hugging Face dataset"
         )
     return files
 
@@ -128,14 +130,16 @@ def read_fasta(paths: list[str]):
                         n_records += 1
                     header, lines = (line[1:].split() or [""])[0], []
                 elif header is None:
-                    raise ValueError(f"malformed FASTA {path}: line {line_no} has residues before any '>' header")
+                    raise ConfigError(f"malformed FASTA {path}: line {line_no} has residues before any '>' header")
                 else:
                     lines.append(line)
         if header is not None:
             yield {"id": header, "sequence": "".join(lines)}
             n_records += 1
         if n_records == 0:
-            raise ValueError(f"malformed FASTA {path}: no '>' header found")
+            raise ConfigError(
+                f"malformed FASTA {path}: no '>' header found (is the file empty?); point dataset.path at FASTA records"
+            )
 
 
 def _fasta_dataset(files: list[str], streaming: bool, cache_dir):
@@ -178,12 +182,14 @@ def load_sequences(
     elif fmt == "hf":
         ds = datasets.load_dataset(path, name, split=split, streaming=streaming, cache_dir=cache_dir)
     else:
-        raise ValueError(f"unknown data format {format!r}: use auto, {', '.join([*BUILDERS, 'fasta', 'hf'])}")
+        raise ConfigError(f"unknown data format {format!r}: use auto, {', '.join([*BUILDERS, 'fasta', 'hf'])}")
     columns = ds.column_names
     if columns is None:  # a stream whose features are unknown until read
         columns = list(next(iter(ds)).keys())
     if sequence_column not in columns:
-        raise ValueError(f"{path}: no column {sequence_column!r} (sequence_column); columns are {columns}")
+        raise ConfigError(
+            f"{path}: no column {sequence_column!r}; columns are {columns}: set dataset.sequence_column to one of them"
+        )
     return ds
 
 
@@ -205,11 +211,11 @@ class SequencePolicy:
 
     def __post_init__(self):
         if self.invalid_residue_policy not in INVALID_POLICIES:
-            raise ValueError(f"invalid_residue_policy must be one of {INVALID_POLICIES}")
+            raise ConfigError(f"invalid_residue_policy must be one of {INVALID_POLICIES}")
         if self.long_sequence_policy not in LONG_POLICIES:
-            raise ValueError(f"long_sequence_policy must be one of {LONG_POLICIES}")
+            raise ConfigError(f"long_sequence_policy must be one of {LONG_POLICIES}")
         if self.max_seq_length < 3:
-            raise ValueError(f"max_seq_length {self.max_seq_length} leaves no room for residues besides <cls>/<eos>")
+            raise ConfigError(f"max_seq_length {self.max_seq_length} leaves no room for residues besides <cls>/<eos>")
 
     @classmethod
     def from_tokenizer(cls, tokenizer, **kwargs) -> "SequencePolicy":
@@ -223,7 +229,7 @@ class SequencePolicy:
             return "", SKIP_EMPTY, 0, False
         bad = set(seq).difference(self.alphabet)
         if bad and self.invalid_residue_policy == "error":
-            raise ValueError(
+            raise ConfigError(
                 f"{where}: characters {sorted(bad)} are not ESM residues; set invalid_residue_policy to skip or "
                 "replace_unk to accept such data"
             )
@@ -232,7 +238,10 @@ class SequencePolicy:
         max_residues = self.max_seq_length - 2
         truncated = len(seq) > max_residues
         if truncated and self.long_sequence_policy == "error":
-            raise ValueError(f"{where}: {len(seq)} residues > max_seq_length - 2 = {max_residues}")
+            raise ConfigError(
+                f"{where}: {len(seq)} residues > max_seq_length - 2 = {max_residues}; raise dataset.max_seq_length "
+                "or set dataset.long_sequence_policy to truncate or skip"
+            )
         if truncated and self.long_sequence_policy == "skip":
             return "", SKIP_LONG, 0, False
         if truncated:
@@ -342,9 +351,12 @@ class EpochBatchSampler:
     def __init__(self, rows, lengths=None, shuffle=True, *, dp_rank, dp_world_size, seed, micro_batch_size=None,
                  token_budget=None):  # fmt: skip
         if (micro_batch_size is None) == (token_budget is None):
-            raise ValueError("give exactly one of micro_batch_size and token_budget")
+            raise ConfigError("give exactly one of micro_batch_size and token_budget")
         if len(rows) < dp_world_size:
-            raise ValueError(f"{len(rows)} usable sequences cannot feed {dp_world_size} data-parallel ranks")
+            raise ConfigError(
+                f"{len(rows)} usable sequences cannot feed {dp_world_size} data-parallel ranks; use more data or "
+                "fewer ranks"
+            )
         self.rows = np.asarray(rows, dtype=np.int64)
         self.lengths = None if lengths is None else np.asarray(lengths, dtype=np.int64)
         self.micro_batch_size, self.token_budget = micro_batch_size, token_budget
@@ -367,7 +379,9 @@ class EpochBatchSampler:
             total += self.lengths[order[end]]
             end += 1
         if end == start:
-            raise ValueError(f"row {order[start]} has {self.lengths[order[start]]} tokens > token_budget")
+            raise ConfigError(
+                f"row {order[start]} has {self.lengths[order[start]]} tokens > token_budget; raise dataset.token_budget"
+            )
         return end
 
     def __iter__(self):
@@ -447,7 +461,10 @@ class StreamingSamples(torch.utils.data.IterableDataset):
                 batch, state["pending"] = [sample], []
             stats.log(f"{self.source} (DP rank {self.dp_rank}, worker {worker_id}, epoch {state['epoch']})")
             if stats["seen"] and not stats["kept"] and not batch:
-                raise ValueError(f"{self.source}: no usable sequence in a whole epoch of this rank's shard")
+                raise ConfigError(
+                    f"{self.source}: no usable sequence in a whole epoch of this rank's shard; check the data and "
+                    "dataset.invalid_residue_policy / long_sequence_policy"
+                )
             state["epoch"], state["hf"] = state["epoch"] + 1, None
             if batch:  # the epoch's last, partial batch
                 yield batch
@@ -462,12 +479,12 @@ def resolve_data_config(data_cfg) -> dict:
     cfg = dict(DEFAULT_DATA_CONFIG)
     unknown = sorted(set(data_cfg) - set(cfg))
     if unknown:
-        raise ValueError(f"unknown data config keys {unknown}; known keys: {sorted(cfg)}")
+        raise ConfigError(f"unknown data config keys {unknown}; known keys: {sorted(cfg)}")
     cfg.update({key: data_cfg[key] for key in data_cfg})
     if not cfg["path"]:
-        raise ValueError("data config needs a path")
+        raise ConfigError("data config needs a path")
     if cfg["input_format"] not in ("bshd", "thd"):
-        raise ValueError(f"input_format must be bshd or thd, got {cfg['input_format']!r}")
+        raise ConfigError(f"input_format must be bshd or thd, got {cfg['input_format']!r}")
     return cfg
 
 
@@ -502,7 +519,7 @@ def create_dataloader(
     thd = cfg["input_format"] == "thd"
     segment_multiple = 2 * cp_size if cp_size > 1 else 1
     if thd and round_up(cfg["max_seq_length"], segment_multiple) > cfg["token_budget"]:
-        raise ValueError(f"token_budget {cfg['token_budget']} < max_seq_length {cfg['max_seq_length']} (CP-padded)")
+        raise ConfigError(f"token_budget {cfg['token_budget']} < max_seq_length {cfg['max_seq_length']} (CP-padded)")
     batching = {"token_budget": cfg["token_budget"]} if thd else {"micro_batch_size": cfg["micro_batch_size"]}
     batching.update(dp_rank=dp_rank, dp_world_size=dp_world_size, seed=seed)
 

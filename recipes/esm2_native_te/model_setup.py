@@ -29,19 +29,23 @@ from modeling_esm_te import NVEsmConfig, NVEsmForMaskedLM
 from omegaconf import DictConfig, OmegaConf
 from perf_logger import ModelFlops
 from quant_stats import QuantStats
-from quantization import QuantizationPlan, build_quantization
-from recipe_paths import recipe_path
+from quantization import QuantizationPlan, build_quantization, check_quantization_supported
+from recipe_paths import looks_like_hub_id, model_directory, recipe_path
 from torch.distributed.checkpoint.state_dict import StateDictOptions, set_model_state_dict
 from torch.distributed.fsdp import fully_shard
 from torch.distributed.tensor import DTensor
 from torch.nn.parallel import DistributedDataParallel
 from transformers import EsmConfig, EsmForMaskedLM, PretrainedConfig
+from user_errors import ConfigError
 from weight_conversion import load_state_dict_exactly
 
 
 logger = logging.getLogger(__name__)
 
 STRATEGIES = ("ddp", "fsdp2", "mfsdp")
+PRETRAINED_MISMATCH = (
+    "the model_tag weights do not fit this model: drop the model_config_overrides that change its shape"
+)
 
 
 @dataclass
@@ -76,8 +80,10 @@ class BuiltModel:
 
 def model_source(cfg: DictConfig) -> str:
     """``model_tag`` as a local directory when one exists (recipe-relative paths included), else as a Hub id."""
-    local = recipe_path(cfg.model_tag)
-    return str(local) if local.exists() else str(cfg.model_tag)
+    if recipe_path(cfg.model_tag).exists() or not looks_like_hub_id(str(cfg.model_tag)):
+        # A local directory must be complete: Transformers would build a default model from one without config.json.
+        return str(model_directory(cfg.model_tag, weights=cfg.init_from_pretrained))
+    return str(cfg.model_tag)
 
 
 def _is_stock_esm(source: str) -> bool:
@@ -89,7 +95,9 @@ def _is_stock_esm(source: str) -> bool:
     config = PretrainedConfig.get_config_dict(source)[0]
     model_type = config.get("model_type")
     if model_type not in ("esm", "nv_esm"):
-        raise ValueError(f"model_tag {source} holds a {model_type!r} model, not ESM-2 ('esm')")
+        raise ConfigError(
+            f"model_tag {source} holds a {model_type!r} model, not ESM-2 ('esm'): point it at an ESM-2 model"
+        )
     return model_type == "esm" and not any(name.startswith("NVEsm") for name in config.get("architectures") or [])
 
 
@@ -101,7 +109,9 @@ def load_model_config(cfg: DictConfig) -> tuple[NVEsmConfig, QuantizationPlan]:
     overrides = OmegaConf.to_container(cfg.model_config_overrides)
     unknown = sorted(set(overrides) - set(base.to_dict()))
     if unknown:
-        raise ValueError(f"model_config_overrides has keys {unknown} that {source}/config.json does not have")
+        raise ConfigError(
+            f"model_config_overrides has keys {unknown} that {source}/config.json does not have; check their spelling"
+        )
     if stock:
         config = nv_config_from_hf(EsmConfig.from_pretrained(source), **overrides)
     else:
@@ -132,13 +142,17 @@ def apply_pretrained_weights(model: torch.nn.Module, state: dict[str, torch.Tens
     if state is None:
         return
     if not any(isinstance(p, DTensor) for p in model.parameters()):
-        load_state_dict_exactly(model, state, "the pretrained checkpoint")
+        try:
+            load_state_dict_exactly(model, state, "the pretrained checkpoint")
+        except ValueError as error:
+            raise ConfigError(f"{error}; {PRETRAINED_MISMATCH}") from None
         return
     result = set_model_state_dict(model, state, options=StateDictOptions(full_state_dict=True, strict=False))
     missing = [key for key in result.missing_keys if not key.endswith("_extra_state")]
     if missing or result.unexpected_keys:
-        raise ValueError(
-            f"cannot load the pretrained checkpoint: missing keys {missing[:5]}, unexpected {result.unexpected_keys[:5]}"
+        raise ConfigError(
+            f"cannot load the pretrained checkpoint: missing keys {missing[:5]}, "
+            f"unexpected {result.unexpected_keys[:5]}; {PRETRAINED_MISMATCH}"
         )
 
 
@@ -158,6 +172,7 @@ def build_model(
     if strategy not in STRATEGIES:
         raise ValueError(f"strategy must be one of {STRATEGIES}, got {strategy!r}")
     config, plan = load_model_config(cfg)
+    check_quantization_supported(plan, device)  # FP8/FP4 on a machine that cannot run it fails here
     if strategy == "mfsdp":
         return _build_megatron_fsdp(cfg, device, meshes, config, plan, quant_stats)
     on_meta = strategy == "fsdp2" and cfg.fsdp.use_meta_device

@@ -20,9 +20,19 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
+from user_errors import ConfigError, MissingPackageError, UnsupportedHardwareError
+
 
 FP8_RECIPES = ("DelayedScaling", "Float8CurrentScaling", "Float8BlockScaling", "MXFP8BlockScaling")
 FP4_RECIPES = ("NVFP4BlockScaling",)
+# TransformerEngine's own test of whether this GPU (and CUDA) runs a recipe.
+SUPPORT_CHECKS = {
+    "DelayedScaling": "is_fp8_available",
+    "Float8CurrentScaling": "is_fp8_available",
+    "Float8BlockScaling": "is_fp8_block_scaling_available",
+    "MXFP8BlockScaling": "is_mxfp8_available",
+    "NVFP4BlockScaling": "is_nvfp4_available",
+}
 
 
 @dataclass
@@ -39,12 +49,12 @@ class QuantizationPlan:
 def _check_layers(name: str, layers: Sequence[int], num_layers: int) -> set[int]:
     layers = list(layers)
     if any(not isinstance(layer, int) or isinstance(layer, bool) for layer in layers):
-        raise ValueError(f"{name} must be a list of integer layer numbers, got {layers}")
+        raise ConfigError(f"{name} must be a list of integer layer numbers, got {layers}")
     out_of_range = sorted(layer for layer in layers if not 1 <= layer <= num_layers)
     if out_of_range:
-        raise ValueError(f"{name} has layers {out_of_range} outside 1..{num_layers} (layers are 1-indexed)")
+        raise ConfigError(f"{name} has layers {out_of_range} outside 1..{num_layers} (layers are 1-indexed)")
     if len(set(layers)) != len(layers):
-        raise ValueError(f"{name} lists a layer twice: {layers}")
+        raise ConfigError(f"{name} lists a layer twice: {layers}")
     return set(layers)
 
 
@@ -63,7 +73,7 @@ def resolve_layer_precision(
     for name, enabled, layers in (("fp8_layers", fp8_enabled, fp8_layers), ("fp4_layers", fp4_enabled, fp4_layers)):
         if layers and not enabled:
             config = name.split("_")[0] + "_config"
-            raise ValueError(f"{name} is set to {list(layers)} but {config}.enabled is false")
+            raise ConfigError(f"{name} is set to {list(layers)} but {config}.enabled is false")
     if not fp8_enabled and not fp4_enabled:
         return None
 
@@ -72,9 +82,9 @@ def resolve_layer_precision(
     everything = set(range(1, num_layers + 1))
     if fp8_enabled and fp4_enabled:
         if not fp8 and not fp4:
-            raise ValueError("fp8 and fp4 are both enabled: list fp8_layers or fp4_layers (or both) to split layers")
+            raise ConfigError("fp8 and fp4 are both enabled: list fp8_layers or fp4_layers (or both) to split layers")
         if fp8 & fp4:
-            raise ValueError(f"layers {sorted(fp8 & fp4)} are in both fp8_layers and fp4_layers")
+            raise ConfigError(f"layers {sorted(fp8 & fp4)} are in both fp8_layers and fp4_layers")
         if not fp8:
             fp8 = everything - fp4
         elif not fp4:
@@ -90,9 +100,9 @@ def _te_recipe_module():
     try:
         from transformer_engine.common import recipe
     except ImportError as error:
-        raise ImportError(
-            "fp8_config/fp4_config are enabled but TransformerEngine is not installed; install it or disable "
-            "low-precision training"
+        raise MissingPackageError(
+            "fp8_config/fp4_config are enabled but TransformerEngine is not installed; install it (FP8 also needs a "
+            "GPU with compute capability >= 8.9) or set fp8_config.enabled=false fp4_config.enabled=false"
         ) from error
     return recipe
 
@@ -100,14 +110,14 @@ def _te_recipe_module():
 def build_recipe(name: str, fmt: str | None, kwargs: Mapping[str, Any] | None, allowed: Sequence[str]) -> Any:
     """Instantiate ``transformer_engine.common.recipe.<name>`` with the given format and extra keyword arguments."""
     if name not in allowed:
-        raise ValueError(f"unknown recipe {name!r}; choose one of {', '.join(allowed)}")
+        raise ConfigError(f"unknown recipe {name!r}; choose one of {', '.join(allowed)}")
     recipe_module = _te_recipe_module()
     recipe_class = getattr(recipe_module, name)
     field_names = {field.name for field in dataclasses.fields(recipe_class)}
     arguments = dict(kwargs or {})
     unknown = sorted(set(arguments) - field_names)
     if unknown:
-        raise ValueError(f"{name} has no option(s) {unknown}; it takes {sorted(field_names)}")
+        raise ConfigError(f"{name} has no option(s) {unknown}; it takes {sorted(field_names)}")
     if fmt is not None:
         # FP8 recipes call it fp8_format; NVFP4 calls its element format fp4_format (and keeps fp8_format for scales).
         format_field = "fp4_format" if name in FP4_RECIPES else "fp8_format"
@@ -115,7 +125,7 @@ def build_recipe(name: str, fmt: str | None, kwargs: Mapping[str, Any] | None, a
             arguments[format_field] = recipe_module.Format[fmt]
         except KeyError:
             choices = ", ".join(member.name for member in recipe_module.Format)
-            raise ValueError(f"unknown {format_field} {fmt!r}; choose one of {choices}") from None
+            raise ConfigError(f"unknown {format_field} {fmt!r}; choose one of {choices}") from None
     return recipe_class(**arguments)
 
 
@@ -126,9 +136,9 @@ def fp8_layers_keeping_first_last_bf16(num_layers: int, keep: int) -> list[int]:
     dynamic range, where FP8's 3-bit mantissa costs the most accuracy (a common stabiliser for FP8 pre-training).
     """
     if isinstance(keep, bool) or not isinstance(keep, int) or keep < 0:
-        raise ValueError(f"fp8_config.keep_first_last_bf16 must be an integer >= 0, got {keep!r}")
+        raise ConfigError(f"fp8_config.keep_first_last_bf16 must be an integer >= 0, got {keep!r}")
     if 2 * keep >= num_layers:
-        raise ValueError(f"fp8_config.keep_first_last_bf16={keep} leaves no FP8 layer in a {num_layers}-layer model")
+        raise ConfigError(f"fp8_config.keep_first_last_bf16={keep} leaves no FP8 layer in a {num_layers}-layer model")
     return list(range(keep + 1, num_layers - keep + 1))
 
 
@@ -138,9 +148,9 @@ def _fp8_layers(fp8_config: Mapping[str, Any], num_layers: int) -> Sequence[int]
     if not keep:
         return fp8_config.get("fp8_layers")
     if not fp8_config["enabled"]:
-        raise ValueError("fp8_config.keep_first_last_bf16 is set but fp8_config.enabled is false")
+        raise ConfigError("fp8_config.keep_first_last_bf16 is set but fp8_config.enabled is false")
     if fp8_config.get("fp8_layers"):
-        raise ValueError("set either fp8_config.fp8_layers or fp8_config.keep_first_last_bf16, not both")
+        raise ConfigError("set either fp8_config.fp8_layers or fp8_config.keep_first_last_bf16, not both")
     return fp8_layers_keeping_first_last_bf16(num_layers, keep)
 
 
@@ -162,3 +172,32 @@ def build_quantization(fp8_config: Mapping[str, Any], fp4_config: Mapping[str, A
             fp4_config["fp4_recipe"], fp4_config.get("fp4_format"), fp4_config.get("fp4_recipe_kwargs"), FP4_RECIPES
         )
     return QuantizationPlan(layer_precision, fp8_recipe, fp4_recipe)
+
+
+def check_quantization_supported(plan: QuantizationPlan, device: Any) -> None:
+    """Fail at start-up, in one line, when this machine cannot run the plan's FP8/FP4 layers.
+
+    Without the check the model would fall back to the torch backend ("fp8 layers need the TransformerEngine
+    backend") or TE would stop at the first forward pass of a GPU without FP8 tensor cores.
+    """
+    recipes = [recipe for recipe in (plan.fp8_recipe, plan.fp4_recipe) if recipe is not None]
+    if not recipes:
+        return
+    names = " and ".join(type(recipe).__name__ for recipe in recipes)
+    if getattr(device, "type", str(device)) != "cuda":
+        raise UnsupportedHardwareError(
+            f"{names} needs a CUDA GPU with TransformerEngine, but this run is on the {device}: set "
+            "fp8_config.enabled=false and fp4_config.enabled=false to train in bf16/fp32 here"
+        )
+    import transformer_engine.pytorch as te
+
+    for recipe in recipes:
+        name = type(recipe).__name__
+        check = getattr(te, SUPPORT_CHECKS.get(name, ""), None)  # older TE releases lack these functions
+        supported, reason = check(return_reason=True) if check is not None else (True, "")
+        if not supported:
+            others = ", ".join(other for other in FP8_RECIPES if other != name)
+            raise UnsupportedHardwareError(
+                f"{name} cannot run on this GPU ({reason}): choose another fp8_config.fp8_recipe ({others}) or set "
+                "fp8_config.enabled=false / fp4_config.enabled=false"
+            )

@@ -24,17 +24,18 @@ from model_setup import build_model
 from omegaconf import DictConfig, OmegaConf
 from perf_logger import PerfLogger, Profiler
 from quant_stats import QuantStats
-from recipe_paths import config_name, recipe_path
+from recipe_paths import config_name, tokenizer_source
 from scheduler import get_linear_schedule_with_warmup
 from transformers import AutoTokenizer
+from user_errors import check_config, report_user_errors
 
 
 logger = logging.getLogger(__name__)
 
 
-@hydra.main(config_path="hydra_config", config_name="L0_sanity_cp", version_base="1.3")
+@report_user_errors(hydra.main(config_path="hydra_config", config_name="L0_sanity_cp", version_base="1.3"))
 def main(cfg: DictConfig) -> None:
-    OmegaConf.to_container(cfg, resolve=True, throw_on_missing=True)  # a missing `???` value fails here, by name
+    check_config(cfg)  # a `???` value left unset or a mistyped override (num_train_steps=abc) fails here, by name
     dist_config, device = setup_distributed(require_process_group=True)
     if not dist_config.is_main_process():
         logging.getLogger().setLevel(logging.WARNING)
@@ -44,7 +45,7 @@ def main(cfg: DictConfig) -> None:
 
     # The model as in train_fsdp2.py, sharded over all ranks (dp x cp: CP ranks hold the same weights, so sharding
     # over them too only saves memory), its attention split over this rank's CP group.
-    tokenizer = AutoTokenizer.from_pretrained(recipe_path(cfg.tokenizer_path))
+    tokenizer = AutoTokenizer.from_pretrained(tokenizer_source(cfg.tokenizer_path))
     quant_stats = QuantStats.start(cfg.quant_stats, cfg.output_dir)  # before TE builds its first layer
     built = build_model(cfg, device, meshes, strategy="fsdp2", quant_stats=quant_stats)
     model = built.model

@@ -21,10 +21,11 @@ from model_setup import build_model
 from omegaconf import DictConfig, OmegaConf
 from perf_logger import PerfLogger, Profiler
 from quant_stats import QuantStats
-from recipe_paths import config_name, recipe_path
+from recipe_paths import config_name, tokenizer_source
 from scheduler import get_linear_schedule_with_warmup
 from torch.distributed.device_mesh import init_device_mesh
 from transformers import AutoTokenizer
+from user_errors import MissingPackageError, UnsupportedHardwareError, check_config, report_user_errors
 
 
 logger = logging.getLogger(__name__)
@@ -33,17 +34,21 @@ logger = logging.getLogger(__name__)
 def import_megatron_fsdp():
     """Megatron-FSDP needs NVIDIA GPUs; say so plainly instead of failing deep inside it (model_setup.py uses it)."""
     if not torch.cuda.is_available():
-        raise SystemExit("train_mfsdp.py needs CUDA GPUs (Megatron-FSDP is GPU-only); use train_fsdp2.py on a CPU")
+        raise UnsupportedHardwareError(
+            "train_mfsdp.py needs CUDA GPUs (Megatron-FSDP is GPU-only); use train_fsdp2.py on a CPU"
+        )
     try:
         import megatron_fsdp
     except ImportError as error:
-        raise SystemExit("train_mfsdp.py needs the megatron-fsdp package: pip install megatron-fsdp") from error
+        raise MissingPackageError(
+            "train_mfsdp.py needs the megatron-fsdp package: pip install megatron-fsdp"
+        ) from error
     return megatron_fsdp
 
 
-@hydra.main(config_path="hydra_config", config_name="L0_sanity", version_base="1.3")
+@report_user_errors(hydra.main(config_path="hydra_config", config_name="L0_sanity", version_base="1.3"))
 def main(cfg: DictConfig) -> None:
-    OmegaConf.to_container(cfg, resolve=True, throw_on_missing=True)  # a missing `???` value fails here, by name
+    check_config(cfg)  # a `???` value left unset or a mistyped override (num_train_steps=abc) fails here, by name
     import_megatron_fsdp()
     dist_config, device = setup_distributed(require_process_group=True)
     if not dist_config.is_main_process():
@@ -55,7 +60,7 @@ def main(cfg: DictConfig) -> None:
 
     # Model built whole on this GPU (pretrained weights with init_from_pretrained), then sharded together with its
     # optimizer; each transformer layer is one FSDP unit.
-    tokenizer = AutoTokenizer.from_pretrained(recipe_path(cfg.tokenizer_path))
+    tokenizer = AutoTokenizer.from_pretrained(tokenizer_source(cfg.tokenizer_path))
     quant_stats = QuantStats.start(cfg.quant_stats, cfg.output_dir)  # before TE builds its first layer
     built = build_model(cfg, device, Meshes(fsdp=mesh, dp=mesh["dp"]), strategy="mfsdp", quant_stats=quant_stats)
     model, optimizer = built.model, built.optimizer

@@ -40,6 +40,7 @@ from torch.distributed.checkpoint.state_dict import (
     get_state_dict,
     set_state_dict,
 )
+from user_errors import ConfigError
 
 
 logger = logging.getLogger(__name__)
@@ -298,14 +299,19 @@ class Checkpointer:
         if path is None:
             return 0
 
+        _check_strategy(path, self.strategy)
         if self.strategy == "ddp":
             train_state = torch.load(path / "train_state.pt", map_location=map_location, weights_only=True)
+            _check_shapes(path, _shapes(train_state["model"]), _shapes(_unwrap(model).state_dict()))
             _unwrap(model).load_state_dict(train_state["model"])
             optimizer.load_state_dict(train_state["optimizer"])
             scheduler.load_state_dict(train_state["scheduler"])
             step = int(train_state["step"])
         else:
             state = self._dcp_state(model, optimizer, scheduler, step=0)
+            if self.strategy == "fsdp2":  # (Megatron-FSDP's own state dicts are not compared)
+                saved = dcp.FileSystemReader(str(path)).read_metadata().state_dict_metadata
+                _check_shapes(path, _saved_model_shapes(saved), _shapes(state["model"]))
             dcp.load(state, checkpoint_id=str(path))
             if self.strategy == "fsdp2":
                 set_state_dict(model, optimizer, model_state_dict=state["model"], optim_state_dict=state["optimizer"])
@@ -336,6 +342,55 @@ class Checkpointer:
         if dataloader is not None and rank_state["dataloader"] is not None:
             dataloader.load_state_dict(rank_state["dataloader"])
         _set_rng_state(rank_state["rng"])
+
+
+def _check_strategy(path: Path, strategy: Strategy) -> None:
+    """A DDP checkpoint (one ``train_state.pt``) and a DCP one (FSDP2, Megatron-FSDP) do not load into each other."""
+    written_by_ddp = (path / "train_state.pt").is_file()
+    if written_by_ddp != (strategy == "ddp"):
+        saved, this = ("DDP", strategy.upper()) if written_by_ddp else ("FSDP2 or Megatron-FSDP", "DDP")
+        raise ConfigError(
+            f"checkpoint {path} was written by a {saved} run and this is a {this} run: resume it with the entrypoint "
+            "that wrote it, or start afresh with a new output_dir or checkpoint.resume=false"
+        )
+
+
+def _shapes(state_dict: dict[str, Any]) -> dict[str, tuple[int, ...]]:
+    """Tensor shapes by key (a DTensor's global shape), without TE's FP8 bookkeeping (``_extra_state``)."""
+    return {
+        k: tuple(v.shape)
+        for k, v in state_dict.items()
+        if isinstance(v, torch.Tensor) and not k.endswith("_extra_state")
+    }
+
+
+def _saved_model_shapes(metadata: dict[str, Any]) -> dict[str, tuple[int, ...]]:
+    """The model tensors' shapes in a DCP checkpoint's metadata (its model keys start with ``model.``)."""
+    return {
+        k.removeprefix("model."): tuple(v.size)
+        for k, v in metadata.items()
+        if k.startswith("model.") and hasattr(v, "size") and not k.endswith("_extra_state")
+    }
+
+
+def _check_shapes(path: Path, saved: dict[str, tuple], current: dict[str, tuple]) -> None:
+    """Refuse to resume a checkpoint of another model shape (a changed model_tag or model_config_overrides)."""
+    differ = [k for k in current if k in saved and saved[k] != current[k]]
+    missing, extra = sorted(set(current) - set(saved)), sorted(set(saved) - set(current))
+    if differ:
+        detail = f"{differ[0]} is {list(saved[differ[0]])} there and {list(current[differ[0]])} here"
+    elif missing:
+        detail = f"it lacks {missing[0]}" + (f" and {len(missing) - 1} more weights" if len(missing) > 1 else "")
+    elif extra:
+        detail = f"it has {extra[0]}, which this model lacks" + (
+            f", and {len(extra) - 1} more" if len(extra) > 1 else ""
+        )
+    else:
+        return
+    raise ConfigError(
+        f"checkpoint {path} holds a model of another shape ({detail}): resume with the model settings that wrote it "
+        "(model_tag, model_config_overrides), or start afresh with a new output_dir or checkpoint.resume=false"
+    )
 
 
 # --------------------------------------------------------------------------------------------------------------------

@@ -25,12 +25,14 @@ from pathlib import Path
 from typing import Any
 
 import numpy as np
+import pyarrow as pa
 import pyarrow.parquet as pq
 import torch
 from collator import LabelMaker, collate_bshd, collate_thd, pack_windows, pad_token_id
 from context_parallel import context_parallel_batch
 from sequence_windows import window_starts
 from torchdata.stateful_dataloader import StatefulDataLoader
+from user_errors import ConfigError, PathNotFoundError
 
 
 logger = logging.getLogger(__name__)
@@ -66,7 +68,10 @@ def _resolve_files(path: str) -> list[Path]:
         files = [Path(path)]
     missing = [str(f) for f in files if not f.is_file()]
     if not files or missing:
-        raise FileNotFoundError(f"dataset.path={path!r}: no such file(s): {missing or path}")
+        raise PathNotFoundError(
+            f"dataset.path={path!r}: no such file(s): {missing or path}; point dataset.path at a FASTA, Parquet or "
+            "JSONL file, a directory or a glob"
+        )
     return files
 
 
@@ -80,7 +85,7 @@ def _file_format(file: Path, fmt: str) -> str:
         return "parquet"
     if name.endswith((".jsonl", ".json")):
         return "jsonl"
-    raise ValueError(f"cannot tell the format of {file}; set dataset.format to fasta, parquet or jsonl")
+    raise ConfigError(f"cannot tell the format of {file}; set dataset.format to fasta, parquet or jsonl")
 
 
 def _open_text(file: Path):
@@ -98,7 +103,7 @@ def _read_fasta(file: Path) -> list[str]:
                 current = []
             elif line:
                 if current is None:
-                    raise ValueError(f"{file}:{number}: sequence data before the first '>' header; not FASTA")
+                    raise ConfigError(f"{file}:{number}: sequence data before the first '>' header; not FASTA")
                 current.append(line)
     if current is not None:
         sequences.append("".join(current))
@@ -109,16 +114,19 @@ def _read_column(file: Path, fmt: str, column: str) -> list[str]:
     if fmt == "parquet":
         table = pq.read_table(file)
         if column not in table.column_names:
-            raise ValueError(f"{file} has no column {column!r} (columns: {table.column_names}); set sequence_column")
+            raise ConfigError(f"{file} has no column {column!r} (columns: {table.column_names}); set sequence_column")
         return table.column(column).to_pylist()
     sequences = []
     with _open_text(file) as fh:
         for number, line in enumerate(fh, 1):
             if not line.strip():
                 continue
-            record = json.loads(line)
-            if column not in record:
-                raise ValueError(f"{file}:{number} has no key {column!r}; set dataset.sequence_column")
+            try:
+                record = json.loads(line)
+            except json.JSONDecodeError as error:
+                raise ConfigError(f"{file}:{number}: not a JSON object ({error.msg}); malformed JSONL") from None
+            if not isinstance(record, dict) or column not in record:
+                raise ConfigError(f"{file}:{number} has no key {column!r}; set dataset.sequence_column")
             sequences.append(record[column])
     return sequences
 
@@ -131,17 +139,24 @@ def read_sequences(
     ``strip_whitespace`` removes line breaks and spaces inside a sequence (DNA); keep it off for natural language.
     """
     if fmt not in ("auto", "fasta", "parquet", "jsonl"):
-        raise ValueError(f"dataset.format must be auto, fasta, parquet or jsonl, got {fmt!r}")
+        raise ConfigError(f"dataset.format must be auto, fasta, parquet or jsonl, got {fmt!r}")
     sequences = []
     for file in _resolve_files(path):
         kind = _file_format(file, fmt)
-        found = _read_fasta(file) if kind == "fasta" else _read_column(file, kind, sequence_column)
+        try:
+            found = _read_fasta(file) if kind == "fasta" else _read_column(file, kind, sequence_column)
+        except (OSError, EOFError, UnicodeDecodeError, pa.ArrowException) as error:  # truncated gzip, not Parquet, ...
+            raise ConfigError(
+                f"{file}: cannot be read as {kind} ({error}); check the file or set dataset.format"
+            ) from None
         for index, sequence in enumerate(found):
             if not isinstance(sequence, str) or not sequence.strip():
-                raise ValueError(f"{file}: sequence {index} is empty or not a string")
+                raise ConfigError(
+                    f"{file}: sequence {index} is empty or not a string; fix the file or dataset.sequence_column"
+                )
         sequences += ["".join(s.split()) for s in found] if strip_whitespace else found
     if not sequences:
-        raise ValueError(f"dataset.path={path!r} holds no sequences")
+        raise ConfigError(f"dataset.path={path!r} holds no sequences (empty files?); point it at files with sequences")
     return sequences
 
 
@@ -178,7 +193,10 @@ class GenomicBatches(torch.utils.data.IterableDataset):
             for start in window_starts(len(seq), cfg["max_seq_length"], cfg["window_overlap"])
         ]
         if len(self.windows) < dp_world_size:
-            raise ValueError(f"{len(self.windows)} windows cannot be split over {dp_world_size} data-parallel ranks")
+            raise ConfigError(
+                f"{len(self.windows)} windows cannot be split over {dp_world_size} data-parallel ranks; use more data "
+                "or fewer ranks"
+            )
         self.labels = LabelMaker(tokenizer, cfg["uppercase_labels"], cfg["mask_degenerate_bases"])
         self.pad_token_id = pad_token_id(tokenizer)
         self.batches_done = 0  # the whole resumable state
@@ -229,25 +247,25 @@ def validate_data_config(data_cfg: Any) -> dict:
     cfg = dict(data_cfg)
     unknown = sorted(set(cfg) - set(DEFAULTS))
     if unknown:
-        raise ValueError(f"unknown dataset config keys {unknown}; known: {sorted(DEFAULTS)}")
+        raise ConfigError(f"unknown dataset config keys {unknown}; known: {sorted(DEFAULTS)}")
     cfg = {**DEFAULTS, **cfg}
     if not cfg["path"]:
-        raise ValueError("dataset.path is required")
+        raise ConfigError("dataset.path is required")
     if cfg["input_format"] not in ("thd", "bshd"):
-        raise ValueError(f"dataset.input_format must be thd or bshd, got {cfg['input_format']!r}")
+        raise ConfigError(f"dataset.input_format must be thd or bshd, got {cfg['input_format']!r}")
     if cfg["max_seq_length"] < 2:
-        raise ValueError(f"dataset.max_seq_length must be at least 2, got {cfg['max_seq_length']}")
+        raise ConfigError(f"dataset.max_seq_length must be at least 2, got {cfg['max_seq_length']}")
     if not 0 <= cfg["window_overlap"] < cfg["max_seq_length"]:
-        raise ValueError(
+        raise ConfigError(
             f"dataset.window_overlap must be in [0, max_seq_length={cfg['max_seq_length']}), "
             f"got {cfg['window_overlap']}"
         )
     if cfg["micro_batch_size"] < 1 or cfg["token_budget"] < 1:
-        raise ValueError("dataset.micro_batch_size and dataset.token_budget must be positive")
+        raise ConfigError("dataset.micro_batch_size and dataset.token_budget must be positive")
     if cfg["input_format"] == "thd" and not cfg["split_samples"] and cfg["token_budget"] < cfg["max_seq_length"]:
-        raise ValueError("without split_samples, token_budget must hold a whole window (>= max_seq_length)")
+        raise ConfigError("without split_samples, token_budget must hold a whole window (>= max_seq_length)")
     if cfg["num_workers"] not in (0, 1):
-        raise ValueError("dataset.num_workers must be 0 or 1 (one stateful stream per rank)")
+        raise ConfigError("dataset.num_workers must be 0 or 1 (one stateful stream per rank)")
     return cfg
 
 
@@ -262,7 +280,7 @@ def create_dataloader(
     """
     cfg = validate_data_config(data_cfg)
     if cp_size > 1 and cfg["input_format"] != "thd":
-        raise ValueError(f"context parallelism (cp_size={cp_size}) needs dataset.input_format=thd")
+        raise ConfigError(f"context parallelism (cp_size={cp_size}) needs dataset.input_format=thd")
     sequences = read_sequences(str(cfg["path"]), cfg["format"], cfg["sequence_column"], cfg["strip_whitespace"])
     tokens = tokenize(sequences, tokenizer)
     dataset = GenomicBatches(tokens, tokenizer, cfg, dp_rank, dp_world_size, seed, cp_size)

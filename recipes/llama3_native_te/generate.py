@@ -10,11 +10,16 @@ and a config that picks TransformerEngine on a CUDA machine and pure PyTorch els
 import argparse
 
 import torch
+from recipe_paths import model_directory, tokenizer_source
 from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
+from user_errors import ConfigError, run
 
 
 def load(model_dir: str, backend: str = "auto", device: str | None = None):
     """The exported model (eval mode, on ``device``) and its tokenizer."""
+    # An export with a file missing fails here, by name (without config.json Transformers would build a default model).
+    model_dir = str(model_directory(model_dir, key="model_dir", weights=True, remote_code=True))
+    tokenizer_source(model_dir, key="model_dir")
     device = device or ("cuda" if torch.cuda.is_available() else "cpu")
     config = AutoConfig.from_pretrained(model_dir, trust_remote_code=True, backend=backend)
     dtype = torch.bfloat16 if device == "cuda" else torch.float32
@@ -34,7 +39,7 @@ def generate(
 ) -> list[str]:
     """Continuations of ``prompt`` (greedy when ``temperature`` is 0), prompt included, special tokens removed."""
     if not prompt or any(ch.isspace() for ch in prompt):
-        raise ValueError("the prompt must be a non-empty run of bases without whitespace")
+        raise ConfigError("the prompt must be a non-empty run of bases without whitespace, e.g. --prompt ACGT")
     torch.manual_seed(seed)
     batch = tokenizer([prompt] * num_samples, return_tensors="pt").to(model.device)
     sampling = {"do_sample": True, "temperature": temperature, "top_k": top_k} if temperature > 0 else {}
@@ -69,4 +74,4 @@ def main() -> None:
 
 
 if __name__ == "__main__":
-    main()
+    run(main)  # a user error (a missing export file, a bad prompt) ends in one line; HYDRA_FULL_ERROR=1: traceback

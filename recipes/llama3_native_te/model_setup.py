@@ -20,10 +20,11 @@ from mixed_precision import computes_in_bf16, keeps_fp32_master_weights, mixed_p
 from modeling_llama_te import NVLlamaConfig, NVLlamaForCausalLM
 from omegaconf import DictConfig, OmegaConf
 from perf_logger import ModelFlops
-from quantization import QuantizationPlan, build_quantization
-from recipe_paths import recipe_path
+from quantization import QuantizationPlan, build_quantization, check_quantization_supported
+from recipe_paths import model_directory
 from torch.distributed.fsdp import fully_shard
 from torch.nn.parallel import DistributedDataParallel
+from user_errors import ConfigError
 
 
 logger = logging.getLogger(__name__)
@@ -53,11 +54,13 @@ class BuiltModel:
 
 def load_model_config(cfg: DictConfig) -> tuple[NVLlamaConfig, QuantizationPlan]:
     """config.json from ``model_tag``, this run's overrides, and the per-layer FP8/FP4 plan the model needs."""
-    model_dir = recipe_path(cfg.model_tag)
+    model_dir = model_directory(cfg.model_tag)  # a directory without config.json fails here, by name
     overrides = OmegaConf.to_container(cfg.model_config_overrides)
     unknown = sorted(set(overrides) - set(NVLlamaConfig.from_pretrained(model_dir).to_dict()))
     if unknown:
-        raise ValueError(f"model_config_overrides has keys {unknown} that {model_dir}/config.json does not have")
+        raise ConfigError(
+            f"model_config_overrides has keys {unknown} that {model_dir}/config.json does not have: check the spelling"
+        )
     config = NVLlamaConfig.from_pretrained(model_dir, **overrides)
     fp8_config, fp4_config = OmegaConf.to_container(cfg.fp8_config), OmegaConf.to_container(cfg.fp4_config)
     plan = build_quantization(fp8_config, fp4_config, config.num_hidden_layers)
@@ -74,6 +77,7 @@ def build_model(cfg: DictConfig, device: torch.device, meshes: Meshes | None, st
     if strategy not in STRATEGIES:
         raise ValueError(f"strategy must be one of {STRATEGIES}, got {strategy!r}")
     config, plan = load_model_config(cfg)
+    check_quantization_supported(plan, device)  # FP8/FP4 on a machine that cannot run it fails here
     on_meta = strategy == "fsdp2" and cfg.fsdp.use_meta_device
     if strategy == "fsdp2":
         with torch.device("meta" if on_meta else device):

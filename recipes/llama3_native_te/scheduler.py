@@ -7,6 +7,7 @@ the same learning rates as an uninterrupted 2N-step run.
 
 import torch
 from torch.optim.lr_scheduler import LambdaLR
+from user_errors import ConfigError
 
 
 def warmup_linear_decay_ratio(step: int, num_warmup_steps: int, num_decay_steps: int, min_lr_ratio: float) -> float:
@@ -34,9 +35,12 @@ def get_linear_schedule_with_warmup(
 ) -> LambdaLR:
     """LambdaLR following :func:`warmup_linear_decay_ratio`; its state_dict is just the step counter."""
     if num_warmup_steps < 0 or num_decay_steps < 0:
-        raise ValueError(f"num_warmup_steps ({num_warmup_steps}) and num_decay_steps ({num_decay_steps}) must be >= 0")
+        raise ConfigError(
+            f"lr_scheduler_kwargs.num_warmup_steps ({num_warmup_steps}) and num_decay_steps ({num_decay_steps}) must "
+            "be >= 0"
+        )
     if not 0.0 <= min_lr_ratio <= 1.0:
-        raise ValueError(f"min_lr_ratio must lie in [0, 1], got {min_lr_ratio}")
+        raise ConfigError(f"lr_scheduler_kwargs.min_lr_ratio must lie in [0, 1], got {min_lr_ratio}")
 
     def lr_lambda(step: int) -> float:
         return warmup_linear_decay_ratio(step, num_warmup_steps, num_decay_steps, min_lr_ratio)

@@ -21,17 +21,18 @@ from mixed_precision import computes_in_bf16
 from model_setup import build_model
 from omegaconf import DictConfig, OmegaConf
 from perf_logger import PerfLogger, Profiler
-from recipe_paths import config_name, recipe_path
+from recipe_paths import config_name, tokenizer_source
 from scheduler import get_linear_schedule_with_warmup
 from transformers import AutoTokenizer
+from user_errors import check_config, report_user_errors
 
 
 logger = logging.getLogger(__name__)
 
 
-@hydra.main(config_path="hydra_config", config_name="L0_sanity", version_base="1.3")
+@report_user_errors(hydra.main(config_path="hydra_config", config_name="L0_sanity", version_base="1.3"))
 def main(cfg: DictConfig) -> None:
-    OmegaConf.to_container(cfg, resolve=True, throw_on_missing=True)  # a missing `???` value fails here, by name
+    check_config(cfg)  # a `???` value left unset or a mistyped override (num_train_steps=abc) fails here, by name
     dist_config, device = setup_distributed()
     if not dist_config.is_main_process():
         logging.getLogger().setLevel(logging.WARNING)
@@ -39,7 +40,7 @@ def main(cfg: DictConfig) -> None:
     torch.manual_seed(cfg.seed)
 
     # Model: the same random init on every rank (same seed), wrapped in DDP when launched by torchrun.
-    tokenizer = AutoTokenizer.from_pretrained(recipe_path(cfg.tokenizer_path))
+    tokenizer = AutoTokenizer.from_pretrained(tokenizer_source(cfg.tokenizer_path))
     built = build_model(cfg, device, meshes=None, strategy="ddp")
     model = built.model
     use_bf16 = computes_in_bf16(cfg.mixed_precision, device)

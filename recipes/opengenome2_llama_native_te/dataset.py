@@ -30,12 +30,14 @@ from pathlib import Path
 from typing import Any
 
 import numpy as np
+import pyarrow as pa
 import pyarrow.parquet as pq
 import torch
 from collator import LabelMaker, collate_bshd, collate_thd, pad_token_id
 from context_parallel import context_parallel_batch
 from sequence_windows import sequence_windows
 from torchdata.stateful_dataloader import StatefulDataLoader
+from user_errors import ConfigError, PathNotFoundError
 
 
 logger = logging.getLogger(__name__)
@@ -82,7 +84,7 @@ def file_format(file: Path, fmt: str = "auto") -> str:
         return "parquet"
     if name.endswith(".jsonl"):  # not .json: a directory of shards may hold a manifest.json
         return "jsonl"
-    raise ValueError(f"cannot tell the format of {file}; name it .jsonl[.gz], .fa/.fasta/.fna[.gz] or .parquet")
+    raise ConfigError(f"cannot tell the format of {file}; name it .jsonl[.gz], .fa/.fasta/.fna[.gz] or .parquet")
 
 
 def resolve_files(path: str, fmt: str = "auto") -> list[Path]:
@@ -101,9 +103,13 @@ def resolve_files(path: str, fmt: str = "auto") -> list[Path]:
     elif Path(path).is_file():
         files = [Path(path)]
     else:
-        raise FileNotFoundError(f"dataset path {path!r} does not exist")
+        raise PathNotFoundError(
+            f"dataset path {path!r} does not exist; point dataset.path at a file, directory or glob"
+        )
     if not files:
-        raise FileNotFoundError(f"dataset path {path!r} names no data files")
+        raise PathNotFoundError(
+            f"dataset path {path!r} names no data files; give .jsonl[.gz], .fa/.fasta/.fna[.gz] or .parquet files"
+        )
     return files
 
 
@@ -123,7 +129,7 @@ def iter_fasta(file: Path) -> Iterator[tuple[str, str]]:
                 name, chunks = line[1:].strip(), []
             elif line:
                 if name is None:
-                    raise ValueError(f"{file}:{number}: sequence data before the first '>' header; not FASTA")
+                    raise ConfigError(f"{file}:{number}: sequence data before the first '>' header; not FASTA")
                 chunks.append(line)
     if name is not None:
         yield name, "".join(chunks)
@@ -141,9 +147,9 @@ def _jsonl_records(file: Path, column: str, skip: int, keep) -> Iterator[tuple[i
             try:
                 record = json.loads(line)
             except json.JSONDecodeError as error:
-                raise ValueError(f"{file}:{number}: not a JSON object ({error.msg}); malformed JSONL") from None
+                raise ConfigError(f"{file}:{number}: not a JSON object ({error.msg}); malformed JSONL") from None
             if not isinstance(record, dict) or not isinstance(record.get(column), str):
-                raise ValueError(f"{file}:{number}: no string under key {column!r}; set dataset.sequence_column")
+                raise ConfigError(f"{file}:{number}: no string under key {column!r}; set dataset.sequence_column")
             yield index, Record(record[column])
 
 
@@ -151,7 +157,7 @@ def _parquet_records(file: Path, column: str, skip: int, keep) -> Iterator[tuple
     parquet = pq.ParquetFile(file)
     names = parquet.schema_arrow.names
     if column not in names:
-        raise ValueError(f"{file} has no column {column!r} (columns: {names}); set dataset.sequence_column")
+        raise ConfigError(f"{file} has no column {column!r} (columns: {names}); set dataset.sequence_column")
     flags = [name for name in (START_COLUMN, END_COLUMN) if name in names]
     first = 0
     for group in range(parquet.num_row_groups):
@@ -162,7 +168,7 @@ def _parquet_records(file: Path, column: str, skip: int, keep) -> Iterator[tuple
                 if first + row < skip or not keep(first + row):
                     continue
                 if not isinstance(text, str):
-                    raise ValueError(f"{file}: row {first + row} of column {column!r} is not a string")
+                    raise ConfigError(f"{file}: row {first + row} of column {column!r} is not a string")
                 ends = [table[name][row] if name in table else True for name in (START_COLUMN, END_COLUMN)]
                 yield first + row, Record(text, *ends)
         first += rows
@@ -182,8 +188,10 @@ def iter_records(
             for index, (_, sequence) in enumerate(iter_fasta(file)):
                 if index >= skip and keep(index):
                     yield index, Record(sequence)
-    except (OSError, EOFError) as error:  # truncated gzip, corrupt Parquet footer, ...
-        raise ValueError(f"{file}: cannot be read as {kind} ({error})") from error
+    except (OSError, EOFError, UnicodeDecodeError, pa.ArrowException) as error:  # truncated gzip, not Parquet, ...
+        raise ConfigError(
+            f"{file}: cannot be read as {kind} ({error}); check the file or its name's suffix"
+        ) from error
 
 
 # ------------------------------------------------------------------------------------------------ the stream
@@ -264,8 +272,11 @@ class GenomicStream(torch.utils.data.IterableDataset):
             if not self.endless:
                 return
             whole_epoch = epoch > start.epoch or start == Cursor(epoch=epoch)  # not resumed part-way through it
+            if whole_epoch and not found and self.dp_world_size == 1:
+                names = ", ".join(str(file) for file in self.files[:3]) + (", ..." if len(self.files) > 3 else "")
+                raise ConfigError(f"{names}: no sequences (empty files?); point dataset.path at files with sequences")
             if whole_epoch and not found:
-                raise ValueError(
+                raise ConfigError(
                     f"data-parallel rank {self.dp_rank} of {self.dp_world_size} gets no sequences from "
                     f"{len(self.files)} file(s); use more data or fewer ranks"
                 )
@@ -322,7 +333,7 @@ class GenomicStream(torch.utils.data.IterableDataset):
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         if state["num_files"] != len(self.files):
-            raise ValueError(
+            raise ConfigError(
                 f"the data state was saved for {state['num_files']} file(s) on this rank, the dataset now has "
                 f"{len(self.files)}: the cursor would point elsewhere. Keep dataset.path unchanged to resume"
             )
@@ -337,26 +348,26 @@ def validate_data_config(data_cfg: Any) -> dict:
     cfg = dict(data_cfg)
     unknown = sorted(set(cfg) - set(DEFAULTS))
     if unknown:
-        raise ValueError(f"unknown dataset config keys {unknown}; known: {sorted(DEFAULTS)}")
+        raise ConfigError(f"unknown dataset config keys {unknown}; known: {sorted(DEFAULTS)}")
     cfg = {**DEFAULTS, **cfg}
     if not cfg["path"]:
-        raise ValueError("dataset.path is required")
+        raise ConfigError("dataset.path is required")
     if cfg["format"] not in ("auto", *FORMATS):
-        raise ValueError(f"dataset.format must be auto, jsonl, fasta or parquet, got {cfg['format']!r}")
+        raise ConfigError(f"dataset.format must be auto, jsonl, fasta or parquet, got {cfg['format']!r}")
     if cfg["input_format"] not in ("thd", "bshd"):
-        raise ValueError(f"dataset.input_format must be thd or bshd, got {cfg['input_format']!r}")
+        raise ConfigError(f"dataset.input_format must be thd or bshd, got {cfg['input_format']!r}")
     if cfg["max_seq_length"] < 2:
-        raise ValueError(f"dataset.max_seq_length must be at least 2, got {cfg['max_seq_length']}")
+        raise ConfigError(f"dataset.max_seq_length must be at least 2, got {cfg['max_seq_length']}")
     if not 0 <= cfg["window_overlap"] < cfg["max_seq_length"]:
-        raise ValueError(
+        raise ConfigError(
             f"dataset.window_overlap must be in [0, max_seq_length={cfg['max_seq_length']}), got {cfg['window_overlap']}"
         )
     if cfg["micro_batch_size"] < 1 or cfg["token_budget"] < 1:
-        raise ValueError("dataset.micro_batch_size and dataset.token_budget must be positive")
+        raise ConfigError("dataset.micro_batch_size and dataset.token_budget must be positive")
     if cfg["input_format"] == "thd" and not cfg["split_samples"] and cfg["token_budget"] < cfg["max_seq_length"]:
-        raise ValueError("without split_samples, token_budget must hold a whole window (>= max_seq_length)")
+        raise ConfigError("without split_samples, token_budget must hold a whole window (>= max_seq_length)")
     if cfg["num_workers"] not in (0, 1):
-        raise ValueError("dataset.num_workers must be 0 or 1 (one stateful stream per rank)")
+        raise ConfigError("dataset.num_workers must be 0 or 1 (one stateful stream per rank)")
     return cfg
 
 
@@ -370,7 +381,7 @@ def create_dataloader(
     """
     cfg = validate_data_config(data_cfg)
     if cp_size > 1 and cfg["input_format"] != "thd":
-        raise ValueError(f"context parallelism (cp_size={cp_size}) needs dataset.input_format=thd")
+        raise ConfigError(f"context parallelism (cp_size={cp_size}) needs dataset.input_format=thd")
     files = resolve_files(str(cfg["path"]), cfg["format"])
     dataset = GenomicStream(files, tokenizer, cfg, dp_rank, dp_world_size, seed, cp_size=cp_size)
     logger.info(

@@ -23,9 +23,10 @@ from mixed_precision import computes_in_bf16, keeps_fp32_master_weights, mixed_p
 from modeling_llama_te import NVLlamaConfig, NVLlamaForCausalLM
 from omegaconf import DictConfig, OmegaConf
 from perf_logger import ModelFlops
-from quantization import QuantizationPlan, build_quantization
-from recipe_paths import recipe_path
+from quantization import QuantizationPlan, build_quantization, check_quantization_supported
+from recipe_paths import model_directory
 from torch.distributed.fsdp import fully_shard
+from user_errors import ConfigError
 
 
 logger = logging.getLogger(__name__)
@@ -52,15 +53,17 @@ class BuiltModel:
 
 def load_model_config(cfg: DictConfig) -> tuple[NVLlamaConfig, QuantizationPlan]:
     """config.json from ``model_tag``, this run's overrides, and the per-layer FP8/FP4 plan the model needs."""
-    model_dir = recipe_path(cfg.model_tag)
+    model_dir = model_directory(cfg.model_tag)  # a directory without config.json fails here, by name
     overrides = OmegaConf.to_container(cfg.model_config_overrides)
     unknown = sorted(set(overrides) - set(NVLlamaConfig.from_pretrained(model_dir).to_dict()))
     if unknown:
-        raise ValueError(f"model_config_overrides has keys {unknown} that {model_dir}/config.json does not have")
+        raise ConfigError(
+            f"model_config_overrides has keys {unknown} that {model_dir}/config.json does not have: check the spelling"
+        )
     config = NVLlamaConfig.from_pretrained(model_dir, **overrides)
     if config.embedding_init_std is not None and config.tie_word_embeddings:
         # A tied LM head would share the unit-scale init: initial logits of std ~sqrt(hidden_size).
-        raise ValueError(
+        raise ConfigError(
             f"embedding_init_std={config.embedding_init_std} (Spike No More) needs untied embeddings: set "
             "model_config_overrides.tie_word_embeddings=false"
         )
@@ -80,6 +83,7 @@ def build_model(cfg: DictConfig, device: torch.device, meshes: Meshes, strategy:
     if strategy not in STRATEGIES:
         raise ValueError(f"strategy must be one of {STRATEGIES}, got {strategy!r}")
     config, plan = load_model_config(cfg)
+    check_quantization_supported(plan, device)  # FP8/FP4 on a machine that cannot run it fails here
     torch.manual_seed(cfg.seed)  # the init draws from here, with or without the meta device
     on_meta = cfg.fsdp.use_meta_device
     with torch.device("meta" if on_meta else device):

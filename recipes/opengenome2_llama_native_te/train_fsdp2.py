@@ -23,18 +23,19 @@ from model_setup import build_model
 from omegaconf import DictConfig, OmegaConf
 from optimizer import build_optimizer
 from perf_logger import PerfLogger, Profiler
-from recipe_paths import config_name, recipe_path
+from recipe_paths import config_name, tokenizer_source
 from scheduler import get_linear_schedule_with_warmup
 from transformers import AutoTokenizer
+from user_errors import check_config, report_user_errors
 from validation import Validator
 
 
 logger = logging.getLogger(__name__)
 
 
-@hydra.main(config_path="hydra_config", config_name="L0_sanity", version_base="1.3")
+@report_user_errors(hydra.main(config_path="hydra_config", config_name="L0_sanity", version_base="1.3"))
 def main(cfg: DictConfig) -> None:
-    OmegaConf.to_container(cfg, resolve=True, throw_on_missing=True)  # a missing `???` value fails here, by name
+    check_config(cfg)  # a `???` value left unset or a mistyped override (num_train_steps=abc) fails here, by name
     dist_config, device = setup_distributed(require_process_group=True)
     if not dist_config.is_main_process():
         logging.getLogger().setLevel(logging.WARNING)
@@ -44,7 +45,7 @@ def main(cfg: DictConfig) -> None:
     # Model: built on the meta device, sharded layer by layer, then each rank initialises only its own shards (with the
     # init switches of model_config_overrides: Spike-No-More embeddings, depth-scaled output projections). fp32 master
     # weights are cast to bf16 per layer for compute, and gradients are reduced in fp32.
-    tokenizer = AutoTokenizer.from_pretrained(recipe_path(cfg.tokenizer_path))
+    tokenizer = AutoTokenizer.from_pretrained(tokenizer_source(cfg.tokenizer_path))
     built = build_model(cfg, device, meshes, strategy="fsdp2")
     model = built.model
 
@@ -66,11 +67,11 @@ def main(cfg: DictConfig) -> None:
         async_save=cfg.checkpoint.async_save,
         max_checkpoints=cfg.checkpoint.max_checkpoints,
     )
-    if dist_config.is_main_process():
-        built.config.save_pretrained(Path(cfg.checkpoint.ckpt_dir) / "model_config")
     start_step = 0
     if cfg.checkpoint.resume:
         start_step = checkpointer.load_latest(model, optimizer, scheduler, dataloader)
+    if dist_config.is_main_process():  # after resuming: a run refused for another model shape leaves it as it was
+        built.config.save_pretrained(Path(cfg.checkpoint.ckpt_dir) / "model_config")
     with torch.random.fork_rng(devices=[]):  # making the iterator draws from the RNG; keep resumed runs identical
         batches = iter(dataloader)
 

@@ -23,6 +23,7 @@ from context_parallel import context_parallel_batch, shard_for_context_parallel
 from dataset import validation_batches
 from distributed import move_to_device
 from grad_accumulation import count_targets
+from user_errors import ConfigError
 
 
 logger = logging.getLogger(__name__)
@@ -64,7 +65,7 @@ class Validator:
         self.wandb_mode = wandb_mode
         self.cp_size, self.cp_rank = cp_size, cp_rank
         if self.path is not None and self.every_n_steps < 1:
-            raise ValueError(
+            raise ConfigError(
                 f"validation.every_n_steps must be >= 1 when validation.path is set, got {self.every_n_steps}"
             )
 
@@ -117,7 +118,7 @@ class Validator:
             dist.all_reduce(totals)
         nll_sum, tokens = totals.tolist()
         if tokens == 0:
-            raise ValueError(f"validation file {self.path} has no scored tokens (empty, or only degenerate bases)")
+            raise ConfigError(f"validation file {self.path} has no scored tokens (empty, or only degenerate bases)")
         metrics = {"step": step, "val_loss": nll_sum / tokens, "val_perplexity": perplexity(nll_sum / tokens)}
         metrics["val_tokens"] = int(tokens)
         model.train(was_training)

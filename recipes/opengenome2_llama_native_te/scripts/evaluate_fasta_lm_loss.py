@@ -33,6 +33,8 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # the recipe's flat modules
 from collator import IGNORE_INDEX, LabelMaker
 from dataset import iter_fasta
+from recipe_paths import model_directory
+from user_errors import ConfigError, UserError
 
 
 RECIPE_DIR = Path(__file__).resolve().parents[1]
@@ -54,6 +56,8 @@ def load_model(checkpoint: Path, model_config: Path | None, backend: str, device
     """An exported Hugging Face directory, or a DCP checkpoint of this recipe; in eval mode on ``device``."""
     if (checkpoint / "config.json").is_file():
         from transformers import AutoConfig, AutoModelForCausalLM
+
+        model_directory(str(checkpoint), key="checkpoint", weights=True, remote_code=True)  # an export lacking a file
 
         kwargs = {"trust_remote_code": True}
         config = AutoConfig.from_pretrained(checkpoint, **kwargs)
@@ -79,8 +83,9 @@ def load_model(checkpoint: Path, model_config: Path | None, backend: str, device
         dcp.load(state, checkpoint_id=str(checkpoint), no_dist=True)
     missing, unexpected = model.load_state_dict(state["model"], strict=False)
     if unexpected or any(not key.endswith("_extra_state") for key in missing):
-        raise RuntimeError(
-            f"checkpoint {checkpoint} does not match the model: missing {missing}, unexpected {unexpected}"
+        raise ConfigError(
+            f"checkpoint {checkpoint} does not match the model of {config_dir}: missing {missing}, unexpected "
+            f"{unexpected}; pass --model-config <the run's checkpoints/model_config>"
         )
     return model.eval()
 
@@ -177,7 +182,7 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
     try:
         report = evaluate(args)
-    except (FileNotFoundError, ValueError) as error:
+    except (FileNotFoundError, ValueError, UserError) as error:
         print(f"evaluate_fasta_lm_loss: error: {error}", file=sys.stderr)
         return 2
     text = json.dumps(report, indent=2) + "\n"

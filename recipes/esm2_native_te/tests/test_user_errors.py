@@ -1,0 +1,127 @@
+"""User errors end with one line that names the problem and the fix, exit status 2, no traceback, nothing lost.
+
+Each case runs the script the way a user does and provokes one mistake: a missing or empty data file, a wrong
+column, residues outside the alphabet (found in a data-loader worker), a misspelled key, a value of the wrong type,
+FP8 on a machine without it, Megatron-FSDP without GPUs, resuming a checkpoint with another model shape, fine-tuning
+from an export with a file missing.
+"""
+
+import hashlib
+import json
+import shutil
+from pathlib import Path
+
+import pytest
+from launch import run_script
+
+
+TINY_MODEL = (
+    "+model_config_overrides={num_hidden_layers: 2, hidden_size: 64, intermediate_size: 256, num_attention_heads: 4}"
+)
+FAST = ["dataset.max_seq_length=128", "dataset.micro_batch_size=16", "dataset.token_budget=2048", "logger.log_every=1"]
+
+
+def assert_user_error(result, *phrases: str) -> str:
+    """Exit status 2, no traceback anywhere, and stderr ending in one ``error: ...`` line holding every phrase."""
+    output = result.stdout + result.stderr
+    assert result.returncode == 2, output[-3000:]
+    assert "Traceback" not in output, output[-3000:]
+    last = [line for line in result.stderr.splitlines() if line.strip()][-1]
+    assert last.startswith("error: "), result.stderr[-3000:]
+    for phrase in phrases:
+        assert phrase in last, (phrase, last)
+    return last
+
+
+def fail(script: str, tmp_path: Path, *overrides: str, **kwargs):
+    args = [f"output_dir={tmp_path / 'run'}", TINY_MODEL, *FAST, *overrides]
+    return run_script(script, *args, expect_failure=True, **kwargs)
+
+
+def snapshot(directory: Path) -> dict[str, str]:
+    """Every file under ``directory`` with a hash of its bytes."""
+    return {
+        str(path.relative_to(directory)): hashlib.sha256(path.read_bytes()).hexdigest()
+        for path in sorted(directory.rglob("*"))
+        if path.is_file()
+    }
+
+
+@pytest.fixture(scope="module")
+def finished_run(tmp_path_factory) -> Path:
+    """A 2-step DDP run: checkpoints/step_2, metrics.jsonl, summary.json and final_model/."""
+    output_dir = tmp_path_factory.mktemp("finished") / "run"
+    run_script("train_ddp.py", f"output_dir={output_dir}", TINY_MODEL, *FAST, "num_train_steps=2")
+    assert (output_dir / "checkpoints" / "step_2").is_dir() and (output_dir / "final_model").is_dir()
+    return output_dir
+
+
+# ---------------------------------------------------------------------------------------------------- data
+
+
+def test_missing_data_path(tmp_path):
+    result = fail("train_ddp.py", tmp_path, "dataset.path=/no/such/proteins.parquet")
+    assert_user_error(result, "'/no/such/proteins.parquet' matches no file", "point dataset.path at")
+
+
+def test_empty_data_file(tmp_path):
+    (tmp_path / "empty.fasta").write_text("")
+    result = fail("train_ddp.py", tmp_path, f"dataset.path={tmp_path / 'empty.fasta'}")
+    assert_user_error(result, "empty.fasta: no '>' header found (is the file empty?)")
+
+
+def test_wrong_column(tmp_path):
+    (tmp_path / "proteins.jsonl").write_text(json.dumps({"seq": "MKTAYIAKQR" * 4}) + "\n")
+    result = fail("train_ddp.py", tmp_path, f"dataset.path={tmp_path / 'proteins.jsonl'}")
+    assert_user_error(result, "no column 'sequence'", "['seq']", "set dataset.sequence_column")
+
+
+def test_residues_outside_the_alphabet_from_a_loader_worker(tmp_path):
+    """The row is checked inside the data-loader worker (num_workers: 1): still one line, with the worker's message."""
+    (tmp_path / "proteins.fasta").write_text(">p1\nMKTAYIAKQR\n>p2\nMKTA1YIAK#\n")
+    result = fail("train_ddp.py", tmp_path, f"dataset.path={tmp_path / 'proteins.fasta'}")
+    assert_user_error(result, "are not ESM residues", "invalid_residue_policy")
+
+
+# ---------------------------------------------------------------------------------------------------- config
+
+
+def test_misspelled_key(tmp_path):
+    result = fail("train_ddp.py", tmp_path, "dataset.micro_batch_sise=4")
+    assert_user_error(result, "dataset.micro_batch_sise is not a config key", "did you mean dataset.micro_batch_size?")
+
+
+def test_value_of_the_wrong_type(tmp_path):
+    result = fail("train_ddp.py", tmp_path, "dataset.max_seq_length=long")
+    assert_user_error(result, "dataset.max_seq_length=long is not an integer", "give dataset.max_seq_length")
+
+
+def test_fp8_on_a_machine_without_it(tmp_path):
+    """CPU-only (TE missing, or TE without a GPU): the message says how to train without FP8."""
+    result = fail("train_ddp.py", tmp_path, "fp8_config.enabled=true")
+    assert_user_error(result, "fp8_config.enabled=false")
+
+
+def test_megatron_fsdp_without_gpus(tmp_path):
+    result = fail("train_mfsdp.py", tmp_path)
+    assert_user_error(result, "train_mfsdp.py needs CUDA GPUs", "use train_fsdp2.py")
+
+
+# ---------------------------------------------------------------------------------------------------- resume, export
+
+
+def test_resume_with_another_model_shape_keeps_the_run(finished_run, tmp_path):
+    run = shutil.copytree(finished_run, tmp_path / "run")
+    before = snapshot(run)
+    wider = TINY_MODEL.replace("hidden_size: 64", "hidden_size: 128")
+    result = run_script("train_ddp.py", f"output_dir={run}", wider, *FAST, "num_train_steps=4", expect_failure=True)
+    assert_user_error(result, f"checkpoint {run}/checkpoints/step_2 holds a model of another shape", "resume=false")
+    assert snapshot(run) == before
+
+
+@pytest.mark.parametrize("missing", ["model.safetensors", "config.json"])
+def test_finetune_from_an_export_with_a_file_missing(finished_run, tmp_path, missing):
+    export = shutil.copytree(finished_run / "final_model", tmp_path / "final_model")
+    (export / missing).unlink()
+    result = fail("train_ddp.py", tmp_path, f"model_tag={export}", "init_from_pretrained=true")
+    assert_user_error(result, f"model_tag={export} lacks {missing}", "export it again")
