@@ -193,11 +193,22 @@ def check_quantization_supported(plan: QuantizationPlan, device: Any) -> None:
 
     for recipe in recipes:
         name = type(recipe).__name__
-        check = getattr(te, SUPPORT_CHECKS.get(name, ""), None)  # older TE releases lack these functions
-        supported, reason = check(return_reason=True) if check is not None else (True, "")
+        supported, reason = _te_supports(te, name)
         if not supported:
             others = ", ".join(other for other in FP8_RECIPES if other != name)
             raise UnsupportedHardwareError(
                 f"{name} cannot run on this GPU ({reason}): choose another fp8_config.fp8_recipe ({others}) or set "
                 "fp8_config.enabled=false / fp4_config.enabled=false"
             )
+
+
+def _te_supports(te: Any, recipe_name: str) -> tuple[bool, str]:
+    """TE's verdict on this GPU for a recipe; (True, "") where this TE release cannot say (then TE decides later)."""
+    check = getattr(te, SUPPORT_CHECKS.get(recipe_name, ""), None)
+    if check is None:
+        return True, ""
+    try:
+        verdict = check(return_reason=True)
+    except TypeError:  # a release without return_reason
+        verdict = check()
+    return (bool(verdict[0]), str(verdict[1])) if isinstance(verdict, tuple) else (bool(verdict), "")
