@@ -25,7 +25,7 @@ import torch.distributed as dist
 from convert import convert_esm_hf_to_te, nv_config_from_hf
 from distributed import Meshes
 from mixed_precision import computes_in_bf16, keeps_fp32_master_weights, mixed_precision_policy
-from modeling_esm_te import NVEsmConfig, NVEsmForMaskedLM
+from modeling_esm_te import NVEsmConfig, NVEsmForMaskedLM, resolve_backend
 from omegaconf import DictConfig, OmegaConf
 from perf_logger import ModelFlops
 from quant_stats import QuantStats
@@ -36,7 +36,7 @@ from torch.distributed.fsdp import fully_shard
 from torch.distributed.tensor import DTensor
 from torch.nn.parallel import DistributedDataParallel
 from transformers import EsmConfig, EsmForMaskedLM, PretrainedConfig
-from user_errors import ConfigError
+from user_errors import ConfigError, UnsupportedHardwareError
 from weight_conversion import load_state_dict_exactly
 
 
@@ -173,6 +173,10 @@ def build_model(
         raise ValueError(f"strategy must be one of {STRATEGIES}, got {strategy!r}")
     config, plan = load_model_config(cfg)
     check_quantization_supported(plan, device)  # FP8/FP4 on a machine that cannot run it fails here
+    try:
+        resolve_backend(config.backend)  # backend=te on a machine without TE or a GPU fails here, in one line
+    except RuntimeError as error:
+        raise UnsupportedHardwareError(f"{error} (+model_config_overrides.backend=torch)") from None
     if strategy == "mfsdp":
         return _build_megatron_fsdp(cfg, device, meshes, config, plan, quant_stats)
     on_meta = strategy == "fsdp2" and cfg.fsdp.use_meta_device

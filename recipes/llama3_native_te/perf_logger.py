@@ -28,6 +28,7 @@ import torch
 import torch.distributed as dist
 import transformers
 from tqdm.auto import tqdm
+from user_errors import ConfigError, MissingPackageError
 
 
 logger = logging.getLogger(__name__)
@@ -295,11 +296,11 @@ def _init_wandb(cfg):
     if mode == "disabled":
         return None
     if mode not in ("online", "offline"):
-        raise ValueError(f"wandb.mode must be online, offline or disabled, got {mode!r}")
+        raise ConfigError(f"wandb.mode={mode}: choose online, offline or disabled")
     try:
         import wandb
     except ImportError as error:
-        raise ImportError(
+        raise MissingPackageError(
             f"wandb.mode={mode} needs the wandb package; install it or set wandb.mode=disabled"
         ) from error
     from omegaconf import OmegaConf
@@ -325,9 +326,12 @@ class Profiler:
         self.enabled = bool(cfg.enabled)
         self.kind, self.start_step, self.end_step = cfg.kind, int(cfg.start_step), int(cfg.end_step)
         if self.enabled and self.kind not in ("torch", "nsys"):
-            raise ValueError(f"profiler.kind must be torch or nsys, got {self.kind!r}")
+            raise ConfigError(f"profiler.kind={self.kind}: choose torch or nsys")
         if self.enabled and self.end_step < self.start_step:
-            raise ValueError(f"profiler.end_step {self.end_step} < start_step {self.start_step}")
+            raise ConfigError(
+                f"profiler.end_step={self.end_step} comes before profiler.start_step={self.start_step}: "
+                "set end_step >= start_step"
+            )
         self.output_dir = Path(output_dir)
         self._torch_profiler = None
 

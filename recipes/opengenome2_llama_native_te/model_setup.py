@@ -20,13 +20,13 @@ import torch
 import torch.distributed as dist
 from distributed import Meshes
 from mixed_precision import computes_in_bf16, keeps_fp32_master_weights, mixed_precision_policy
-from modeling_llama_te import NVLlamaConfig, NVLlamaForCausalLM
+from modeling_llama_te import NVLlamaConfig, NVLlamaForCausalLM, resolve_backend
 from omegaconf import DictConfig, OmegaConf
 from perf_logger import ModelFlops
 from quantization import QuantizationPlan, build_quantization, check_quantization_supported
 from recipe_paths import model_directory
 from torch.distributed.fsdp import fully_shard
-from user_errors import ConfigError
+from user_errors import ConfigError, UnsupportedHardwareError
 
 
 logger = logging.getLogger(__name__)
@@ -84,6 +84,10 @@ def build_model(cfg: DictConfig, device: torch.device, meshes: Meshes, strategy:
         raise ValueError(f"strategy must be one of {STRATEGIES}, got {strategy!r}")
     config, plan = load_model_config(cfg)
     check_quantization_supported(plan, device)  # FP8/FP4 on a machine that cannot run it fails here
+    try:
+        resolve_backend(config.backend)  # backend=te on a machine without TE or a GPU fails here, in one line
+    except RuntimeError as error:
+        raise UnsupportedHardwareError(f"{error} (+model_config_overrides.backend=torch)") from None
     torch.manual_seed(cfg.seed)  # the init draws from here, with or without the meta device
     on_meta = cfg.fsdp.use_meta_device
     with torch.device("meta" if on_meta else device):

@@ -162,5 +162,5 @@ def test_torch_profiler_traces_only_its_window(tmp_path):
 
 
 def test_profiler_window_is_validated(tmp_path):
-    with pytest.raises(ValueError, match="end_step 1 < start_step 2"):
+    with pytest.raises(ValueError, match="profiler.end_step=1 comes before profiler.start_step=2"):
         Profiler(OmegaConf.create({"enabled": True, "kind": "torch", "start_step": 2, "end_step": 1}), tmp_path)

@@ -102,6 +102,25 @@ def test_fp8_on_a_machine_without_it(tmp_path):
     assert_user_error(result, "fp8_config.enabled=false")
 
 
+def test_te_backend_on_a_machine_without_it(tmp_path):
+    result = fail("train_ddp.py", tmp_path, "+model_config_overrides.backend=te", cpu_only=True)
+    assert_user_error(
+        result, "backend='te' was requested but cannot run here", "+model_config_overrides.backend=torch"
+    )
+
+
+@pytest.mark.parametrize(
+    ("override", "phrase"),
+    [
+        ("wandb.mode=onlin", "wandb.mode=onlin: choose online, offline or disabled"),
+        ("profiler.enabled=true profiler.kind=nsight", "profiler.kind=nsight: choose torch or nsys"),
+        ("profiler.enabled=true profiler.start_step=5 profiler.end_step=2", "set end_step >= start_step"),
+    ],
+)
+def test_logging_and_profiler_settings(tmp_path, override, phrase):
+    assert_user_error(fail("train_ddp.py", tmp_path, *override.split()), phrase)
+
+
 def test_megatron_fsdp_without_gpus(tmp_path):
     result = fail("train_mfsdp.py", tmp_path)
     assert_user_error(result, "train_mfsdp.py needs CUDA GPUs", "use train_fsdp2.py")

@@ -113,6 +113,13 @@ def test_fp8_on_a_machine_without_it(tmp_path):
     assert_user_error(result, "fp8_config.enabled=false")
 
 
+def test_te_backend_on_a_machine_without_it(tmp_path):
+    result = fail("train_ddp.py", tmp_path, "+model_config_overrides.backend=te", cpu_only=True)
+    assert_user_error(
+        result, "backend='te' was requested but cannot run here", "+model_config_overrides.backend=torch"
+    )
+
+
 def test_tokenizer_directory_without_a_tokenizer(tmp_path):
     (tmp_path / "tok").mkdir()
     result = fail("train_ddp.py", tmp_path, f"tokenizer_path={tmp_path / 'tok'}")

@@ -85,6 +85,13 @@ def test_fp8_on_a_machine_without_it(tmp_path):
     assert_user_error(result, "fp8_config.enabled=false")
 
 
+def test_te_backend_on_a_machine_without_it(tmp_path):
+    result = fail(tmp_path, "+model_config_overrides.backend=te", cpu_only=True)
+    assert_user_error(
+        result, "backend='te' was requested but cannot run here", "+model_config_overrides.backend=torch"
+    )
+
+
 # ---------------------------------------------------------------------------------------------------- resume, export
 
 
