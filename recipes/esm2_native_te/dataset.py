@@ -52,6 +52,7 @@ import gzip
 import logging
 import os
 import re
+import warnings
 from collections import Counter
 from dataclasses import dataclass
 from functools import partial
@@ -547,6 +548,13 @@ def create_dataloader(
         lengths = round_up(ds.data.column("length").to_numpy(), segment_multiple)
         sampler = EpochBatchSampler(usable, lengths, shuffle=cfg["shuffle"], **batching)
         dataset, loader_kw = TokenizedRows(ds), {"batch_sampler": sampler}
-    return StatefulDataLoader(
-        dataset, collate_fn=collate, num_workers=cfg["num_workers"], pin_memory=torch.cuda.is_available(), **loader_kw
-    )
+    with warnings.catch_warnings():
+        # torchdata calls torch.set_vital, which torch 2.13 deprecates: a warning in every run that no user can act on.
+        warnings.filterwarnings("ignore", message="'set_vital' is deprecated")
+        return StatefulDataLoader(
+            dataset,
+            collate_fn=collate,
+            num_workers=cfg["num_workers"],
+            pin_memory=torch.cuda.is_available(),
+            **loader_kw,
+        )

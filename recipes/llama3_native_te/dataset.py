@@ -21,6 +21,7 @@ import glob
 import gzip
 import json
 import logging
+import warnings
 from pathlib import Path
 from typing import Any
 
@@ -291,10 +292,13 @@ def create_dataloader(
         len(dataset.windows),
         cfg["max_seq_length"],
     )
-    return StatefulDataLoader(
-        dataset,
-        batch_size=None,
-        num_workers=cfg["num_workers"],
-        pin_memory=torch.cuda.is_available(),
-        persistent_workers=cfg["num_workers"] > 0,
-    )
+    with warnings.catch_warnings():
+        # torchdata calls torch.set_vital, which torch 2.13 deprecates: a warning in every run that no user can act on.
+        warnings.filterwarnings("ignore", message="'set_vital' is deprecated")
+        return StatefulDataLoader(
+            dataset,
+            batch_size=None,
+            num_workers=cfg["num_workers"],
+            pin_memory=torch.cuda.is_available(),
+            persistent_workers=cfg["num_workers"] > 0,
+        )

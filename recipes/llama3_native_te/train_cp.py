@@ -23,7 +23,7 @@ from distributed import build_meshes, cleanup_distributed, move_to_device, setup
 from grad_accumulation import count_targets, token_weights
 from model_setup import build_model
 from omegaconf import DictConfig, OmegaConf
-from perf_logger import PerfLogger, Profiler
+from perf_logger import PerfLogger, Profiler, quiet_progress_bars_off_a_terminal
 from recipe_paths import config_name, tokenizer_source
 from scheduler import get_linear_schedule_with_warmup
 from transformers import AutoTokenizer
@@ -36,6 +36,7 @@ logger = logging.getLogger(__name__)
 @report_user_errors(hydra.main(config_path="hydra_config", config_name="L0_sanity_cp", version_base="1.3"))
 def main(cfg: DictConfig) -> None:
     check_config(cfg)  # a `???` value left unset or a mistyped override (num_train_steps=abc) fails here, by name
+    quiet_progress_bars_off_a_terminal()  # in a log file a bar is one endless line
     if cfg.cp_size < 2:
         raise ConfigError(f"train_cp.py needs cp_size >= 2 (got {cfg.cp_size}); for cp_size=1 use train_fsdp2.py")
     dist_config, device = setup_distributed(require_process_group=True)

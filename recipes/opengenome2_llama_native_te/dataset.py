@@ -23,6 +23,7 @@ import glob
 import gzip
 import json
 import logging
+import warnings
 from collections.abc import Iterator
 from dataclasses import asdict, dataclass, replace
 from itertools import islice
@@ -393,13 +394,16 @@ def create_dataloader(
         cfg["max_seq_length"],
         cfg["window_overlap"],
     )
-    return StatefulDataLoader(
-        dataset,
-        batch_size=None,
-        num_workers=cfg["num_workers"],
-        pin_memory=torch.cuda.is_available(),
-        persistent_workers=cfg["num_workers"] > 0,
-    )
+    with warnings.catch_warnings():
+        # torchdata calls torch.set_vital, which torch 2.13 deprecates: a warning in every run that no user can act on.
+        warnings.filterwarnings("ignore", message="'set_vital' is deprecated")
+        return StatefulDataLoader(
+            dataset,
+            batch_size=None,
+            num_workers=cfg["num_workers"],
+            pin_memory=torch.cuda.is_available(),
+            persistent_workers=cfg["num_workers"] > 0,
+        )
 
 
 def validation_batches(

@@ -10,7 +10,8 @@ packed batch's padding pseudo-sequence does not count) summed over ranks and div
 
 Progress goes to a terminal as a tqdm bar. Off a terminal (a log file, SLURM, ``docker run`` without ``-t``) a bar
 is one endless line of carriage returns, so there rank 0 logs one plain line per logging step instead (step, loss,
-gradient norm, tokens/s, MFU, ETA), and transformers' own bars (the export's "Writing model shards") are off.
+gradient norm, tokens/s, MFU, ETA), and the bars of transformers, huggingface_hub and datasets (loading weights,
+preparing data, writing the export) are off: :func:`quiet_progress_bars_off_a_terminal`, first thing in a run.
 """
 
 import json
@@ -27,6 +28,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 import transformers
+from huggingface_hub.utils import disable_progress_bars as disable_hub_progress_bars
 from tqdm.auto import tqdm
 from user_errors import ConfigError, MissingPackageError
 
@@ -136,7 +138,7 @@ class PerfLogger:
             if sys.stderr.isatty():
                 self._progress = tqdm(total=self.total_steps, initial=start_step, desc="train", dynamic_ncols=True)
             else:
-                transformers.utils.logging.disable_progress_bar()
+                quiet_progress_bars_off_a_terminal()
 
     # ------------------------------------------------------------------ hot loop: no host-device sync here
 
@@ -253,6 +255,18 @@ class PerfLogger:
 def _median(values) -> float | None:
     values = list(values)
     return statistics.median(values) if values else None
+
+
+def quiet_progress_bars_off_a_terminal() -> None:
+    """Off a terminal, turn off the libraries' progress bars: each would be one long line of carriage returns in a
+    log. Call it first in an entrypoint, before anything loads weights or prepares data."""
+    if sys.stderr.isatty():
+        return
+    transformers.utils.logging.disable_progress_bar()
+    disable_hub_progress_bars()
+    datasets = sys.modules.get("datasets")  # only a recipe that reads data with it has imported it
+    if datasets is not None:
+        datasets.disable_progress_bars()
 
 
 def drop_metrics_after(path: Path, step: int) -> None:

@@ -22,7 +22,7 @@ from grad_accumulation import count_targets, token_weights
 from model_setup import build_model
 from omegaconf import DictConfig, OmegaConf
 from optimizer import build_optimizer
-from perf_logger import PerfLogger, Profiler
+from perf_logger import PerfLogger, Profiler, quiet_progress_bars_off_a_terminal
 from recipe_paths import config_name, tokenizer_source
 from scheduler import get_linear_schedule_with_warmup
 from transformers import AutoTokenizer
@@ -36,6 +36,7 @@ logger = logging.getLogger(__name__)
 @report_user_errors(hydra.main(config_path="hydra_config", config_name="L0_sanity", version_base="1.3"))
 def main(cfg: DictConfig) -> None:
     check_config(cfg)  # a `???` value left unset or a mistyped override (num_train_steps=abc) fails here, by name
+    quiet_progress_bars_off_a_terminal()  # in a log file a bar is one endless line
     dist_config, device = setup_distributed(require_process_group=True)
     if not dist_config.is_main_process():
         logging.getLogger().setLevel(logging.WARNING)

@@ -2,6 +2,7 @@
 """Run a script the way a user does: ``torchrun`` in a subprocess, or plain ``python`` for one process."""
 
 import contextlib
+import hashlib
 import os
 import signal
 import subprocess
@@ -69,6 +70,37 @@ def run_script(
             f"--- stdout ---\n{result.stdout[-6000:]}\n--- stderr ---\n{result.stderr[-10000:]}"
         )
     return result
+
+
+def assert_logs_read_well_off_a_terminal(result: subprocess.CompletedProcess) -> None:
+    """A run whose output is a pipe (as in a log file or a SLURM job) prints plain lines: no carriage-return progress
+    bar, a ``step N/M | loss ...`` line per logging step, and no warning that no user can act on."""
+    output = result.stdout + result.stderr
+    assert "\r" not in output, "a progress bar wrote carriage returns:\n" + output[-2000:]
+    assert "| loss " in output and "tokens/s/gpu" in output, "no progress lines:\n" + output[-2000:]
+    assert "set_vital" not in output, output[-2000:]
+
+
+def assert_user_error(result: subprocess.CompletedProcess, *phrases: str) -> str:
+    """Exit status 2, no traceback anywhere, and stderr ending in one ``error: ...`` line holding every phrase (a
+    script outside Hydra prefixes its name: ``evaluate_fasta_lm_loss: error: ...``)."""
+    output = result.stdout + result.stderr
+    assert result.returncode == 2, output[-3000:]
+    assert "Traceback" not in output, output[-3000:]
+    last = [line for line in result.stderr.splitlines() if line.strip()][-1]
+    assert last.startswith("error: ") or ": error: " in last, result.stderr[-3000:]
+    for phrase in phrases:
+        assert phrase in last, (phrase, last)
+    return last
+
+
+def snapshot(directory: Path) -> dict[str, str]:
+    """Every file under ``directory`` with a hash of its bytes: what a failed run must leave as it was."""
+    return {
+        str(path.relative_to(directory)): hashlib.sha256(path.read_bytes()).hexdigest()
+        for path in sorted(directory.rglob("*"))
+        if path.is_file()
+    }
 
 
 def start_script(

@@ -6,13 +6,12 @@ FP8 on a machine without it, Megatron-FSDP without GPUs, resuming a checkpoint w
 from an export with a file missing.
 """
 
-import hashlib
 import json
 import shutil
 from pathlib import Path
 
 import pytest
-from launch import run_script
+from launch import assert_user_error, run_script, snapshot
 
 
 TINY_MODEL = (
@@ -21,30 +20,9 @@ TINY_MODEL = (
 FAST = ["dataset.max_seq_length=128", "dataset.micro_batch_size=16", "dataset.token_budget=2048", "logger.log_every=1"]
 
 
-def assert_user_error(result, *phrases: str) -> str:
-    """Exit status 2, no traceback anywhere, and stderr ending in one ``error: ...`` line holding every phrase."""
-    output = result.stdout + result.stderr
-    assert result.returncode == 2, output[-3000:]
-    assert "Traceback" not in output, output[-3000:]
-    last = [line for line in result.stderr.splitlines() if line.strip()][-1]
-    assert last.startswith("error: "), result.stderr[-3000:]
-    for phrase in phrases:
-        assert phrase in last, (phrase, last)
-    return last
-
-
 def fail(script: str, tmp_path: Path, *overrides: str, **kwargs):
     args = [f"output_dir={tmp_path / 'run'}", TINY_MODEL, *FAST, *overrides]
     return run_script(script, *args, expect_failure=True, **kwargs)
-
-
-def snapshot(directory: Path) -> dict[str, str]:
-    """Every file under ``directory`` with a hash of its bytes."""
-    return {
-        str(path.relative_to(directory)): hashlib.sha256(path.read_bytes()).hexdigest()
-        for path in sorted(directory.rglob("*"))
-        if path.is_file()
-    }
 
 
 @pytest.fixture(scope="module")

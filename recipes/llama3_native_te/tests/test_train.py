@@ -12,7 +12,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 import torch
-from launch import run_script
+from launch import assert_logs_read_well_off_a_terminal, run_script
 from modeling_llama_te import NVLlamaConfig, NVLlamaForCausalLM
 from safetensors.torch import load_file
 from transformers import AutoConfig, AutoModelForCausalLM
@@ -29,7 +29,8 @@ LOSS_THRESHOLD = 1.0  # ln 4 = 1.386 for independent bases; the chain's entropy 
 
 
 def train(script: str, output_dir: Path, *overrides: str, nproc: int | None = None) -> list[dict]:
-    run_script(script, f"output_dir={output_dir}", *FAST, *overrides, nproc=nproc)
+    result = run_script(script, f"output_dir={output_dir}", *FAST, *overrides, nproc=nproc)
+    assert_logs_read_well_off_a_terminal(result)
     return read_metrics(output_dir)
 
 

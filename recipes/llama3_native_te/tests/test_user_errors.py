@@ -6,13 +6,12 @@ does not divide the world size, resuming a checkpoint with another model shape o
 missing. ``HYDRA_FULL_ERROR=1`` brings the traceback back.
 """
 
-import hashlib
 import json
 import shutil
 from pathlib import Path
 
 import pytest
-from launch import RECIPE_DIR, run_script
+from launch import RECIPE_DIR, assert_user_error, run_script, snapshot
 from omegaconf import OmegaConf
 from user_errors import PathNotFoundError
 
@@ -20,29 +19,8 @@ from user_errors import PathNotFoundError
 FAST = ["dataset.max_seq_length=128", "dataset.window_overlap=0", "dataset.token_budget=256", "logger.log_every=1"]
 
 
-def assert_user_error(result, *phrases: str) -> str:
-    """Exit status 2, no traceback anywhere, and stderr ending in one ``error: ...`` line holding every phrase."""
-    output = result.stdout + result.stderr
-    assert result.returncode == 2, output[-3000:]
-    assert "Traceback" not in output, output[-3000:]
-    last = [line for line in result.stderr.splitlines() if line.strip()][-1]
-    assert last.startswith("error: "), result.stderr[-3000:]
-    for phrase in phrases:
-        assert phrase in last, (phrase, last)
-    return last
-
-
 def fail(script: str, tmp_path: Path, *overrides: str, **kwargs):
     return run_script(script, f"output_dir={tmp_path / 'run'}", *FAST, *overrides, expect_failure=True, **kwargs)
-
-
-def snapshot(directory: Path) -> dict[str, str]:
-    """Every file under ``directory`` with a hash of its bytes."""
-    return {
-        str(path.relative_to(directory)): hashlib.sha256(path.read_bytes()).hexdigest()
-        for path in sorted(directory.rglob("*"))
-        if path.is_file()
-    }
 
 
 @pytest.fixture(scope="module")

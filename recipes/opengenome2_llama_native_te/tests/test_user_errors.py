@@ -5,39 +5,17 @@ column, a misspelled key, a value of the wrong type, FP8 on a machine without it
 model shape, evaluating an export with a file missing.
 """
 
-import hashlib
 import json
 import shutil
 from pathlib import Path
 
-from launch import run_script
+from launch import assert_user_error, run_script, snapshot
 from training import FAST
-
-
-def assert_user_error(result, *phrases: str) -> str:
-    """Exit status 2, no traceback anywhere, and stderr ending in one ``error: ...`` line holding every phrase."""
-    output = result.stdout + result.stderr
-    assert result.returncode == 2, output[-3000:]
-    assert "Traceback" not in output, output[-3000:]
-    last = [line for line in result.stderr.splitlines() if line.strip()][-1]
-    assert last.startswith("error: ") or ": error: " in last, result.stderr[-3000:]
-    for phrase in phrases:
-        assert phrase in last, (phrase, last)
-    return last
 
 
 def fail(tmp_path: Path, *overrides: str, **kwargs):
     args = [f"output_dir={tmp_path / 'run'}", *FAST, *overrides]
     return run_script("train_fsdp2.py", *args, expect_failure=True, **kwargs)
-
-
-def snapshot(directory: Path) -> dict[str, str]:
-    """Every file under ``directory`` with a hash of its bytes."""
-    return {
-        str(path.relative_to(directory)): hashlib.sha256(path.read_bytes()).hexdigest()
-        for path in sorted(directory.rglob("*"))
-        if path.is_file()
-    }
 
 
 # ---------------------------------------------------------------------------------------------------- data

@@ -3,7 +3,7 @@
 import json
 from pathlib import Path
 
-from launch import run_script
+from launch import assert_logs_read_well_off_a_terminal, run_script
 
 
 # L0_sanity made quicker for tests: shorter windows and packs, fewer steps. The loss still has to pass ln 4.
@@ -22,7 +22,8 @@ def train(
     output_dir: Path, *overrides: str, nproc: int | None = None, script: str = "train_fsdp2.py", **kwargs
 ) -> list[dict]:
     """Run a training script like a user (torchrun for nproc, else plain python) and return metrics.jsonl."""
-    run_script(script, f"output_dir={output_dir}", *FAST, *overrides, nproc=nproc, **kwargs)
+    result = run_script(script, f"output_dir={output_dir}", *FAST, *overrides, nproc=nproc, **kwargs)
+    assert_logs_read_well_off_a_terminal(result)
     return read_jsonl(output_dir / "metrics.jsonl")
 
 
