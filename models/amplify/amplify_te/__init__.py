@@ -1,0 +1,6 @@
+"""AMPLIFY with TransformerEngine layers (and a pure-PyTorch fallback), compatible with Hugging Face transformers."""
+
+from .modeling_amplify_te import AUTO_MAP, NVAmplifyConfig, NVAmplifyForMaskedLM, NVAmplifyModel
+
+
+__all__ = ["AUTO_MAP", "NVAmplifyConfig", "NVAmplifyForMaskedLM", "NVAmplifyModel"]
