@@ -6,7 +6,7 @@ from model_contract import torchrun
 
 
 def test_context_parallel_matches_single_process_on_cpu_torch_backend():
-    result = torchrun("context_parallel.py", "torch")
+    result = torchrun("context_parallel_mlm.py", "torch", "esm2")
     assert result.returncode == 0, result.stderr[-3000:]
     assert "CP-OK" in result.stdout
 
@@ -14,6 +14,6 @@ def test_context_parallel_matches_single_process_on_cpu_torch_backend():
 @pytest.mark.requires_te
 @pytest.mark.requires_multi_gpu
 def test_context_parallel_matches_single_gpu_two_gpus():
-    result = torchrun("context_parallel.py", "te")
+    result = torchrun("context_parallel_mlm.py", "te", "esm2")
     assert result.returncode == 0, result.stderr[-3000:]
     assert "CP-OK" in result.stdout

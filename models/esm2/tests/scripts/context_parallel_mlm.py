@@ -1,6 +1,11 @@
-"""torchrun helper: a packed batch split over context-parallel ranks gives the same logits, loss and gradients as
-the whole batch in one process. Argument: backend (te: one GPU per rank, bf16; torch: CPU processes on gloo,
-float32). Prints CP-OK on rank 0."""
+# Copied from common/tests/scripts/context_parallel_mlm.py — edit the source, then run ci/check_copies.py --fix
+"""torchrun worker for masked language models: a packed batch split over context-parallel ranks gives the same
+logits, loss and gradients as the whole batch in one process. Prints CP-OK on rank 0.
+
+Arguments: backend and contract name. Backend ``te`` runs one GPU per rank in bf16; ``torch`` runs CPU processes on
+gloo in float32. The contract (``CONTRACTS[name]`` in the model's tests/test_model_contract.py) gives the model
+(its ``te_hf_model``, converted: a shape TE's fused attention takes) and the masked batch.
+"""
 
 import os
 import sys
@@ -10,13 +15,16 @@ import torch
 import torch.distributed as dist
 
 
-# The package under test, whether or not it is pip-installed (a GPU machine may run the tests from a checkout).
-sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
-from amplify_te.modeling_amplify_te import NVAmplifyConfig, NVAmplifyForMaskedLM
+# The package under test and tests/, whether or not the package is pip-installed (a GPU machine may run the tests
+# from a checkout).
+COMPONENT_DIR = Path(__file__).resolve().parents[2]
+sys.path[:0] = [str(COMPONENT_DIR), str(COMPONENT_DIR / "tests")]
+from test_model_contract import CONTRACTS  # noqa: E402
 
 
 def dual_chunk_positions(padded_cu: list[int], rank: int, cp_size: int) -> torch.Tensor:
-    """Positions rank `rank` holds: chunks rank and 2*cp-1-rank of every padded sequence."""
+    """Positions rank `rank` holds: chunks rank and 2*cp-1-rank of every padded sequence (TE's layout, written out
+    here rather than taken from the code under test)."""
     pieces = []
     for start, end in zip(padded_cu[:-1], padded_cu[1:]):
         chunk = (end - start) // (2 * cp_size)
@@ -25,7 +33,7 @@ def dual_chunk_positions(padded_cu: list[int], rank: int, cp_size: int) -> torch
     return torch.cat(pieces)
 
 
-def main(backend: str) -> None:
+def main(backend: str, contract_name: str) -> None:
     on_gpu = backend == "te"
     dist.init_process_group("nccl" if on_gpu else "gloo")
     rank, cp_size = dist.get_rank(), dist.get_world_size()
@@ -33,35 +41,28 @@ def main(backend: str) -> None:
     if on_gpu:
         torch.cuda.set_device(device)
     torch.manual_seed(0)
-    # 120M width (head_dim 64), 4 layers: the interleaved-to-half-split rotary layout under the CP split.
-    config = NVAmplifyConfig(
-        num_hidden_layers=4, hidden_size=640, num_attention_heads=10, intermediate_size=2560, backend=backend
-    )
-    model = NVAmplifyForMaskedLM(config).to(device, torch.bfloat16 if on_gpu else torch.float32)
+    contract = CONTRACTS[contract_name]
+    model = contract.hf_to_nv(contract.te_hf_model(), backend=backend)
+    model = model.to(device, torch.bfloat16 if on_gpu else torch.float32)
+    pad_token_id = model.config.pad_token_id
     tolerance = 2e-2 if on_gpu else 1e-4
 
-    lengths = [300, 123, 77]
-    padded = [((n + 2 * cp_size - 1) // (2 * cp_size)) * 2 * cp_size for n in lengths]
-    generator = torch.Generator().manual_seed(1)
-    input_ids = torch.full((sum(padded),), config.pad_token_id)
-    labels = torch.full((sum(padded),), -100)
-    padded_cu = [0]
-    for n, p in zip(lengths, padded):
-        start = padded_cu[-1]
-        input_ids[start : start + n] = torch.randint(6, 26, (n,), generator=generator)  # standard residues
-        masked = torch.rand(n, generator=generator) < 0.15
-        labels[start : start + n] = torch.where(masked, input_ids[start : start + n], -100)
-        input_ids[start : start + n][masked] = config.mask_token_id
-        padded_cu.append(padded_cu[-1] + p)
+    # The contract's masked batch, each sequence's real tokens padded to a multiple of 2 * cp_size and packed.
+    batch = contract.make_batch([300, 123, 77], seed=1)
+    real = batch["attention_mask"].bool()
+    sequences = [(ids[keep], labels[keep]) for ids, labels, keep in zip(batch["input_ids"], batch["labels"], real)]
+    input_ids, labels, padded_cu = [], [], [0]
+    for ids, targets in sequences:
+        padding = -len(ids) % (2 * cp_size)
+        input_ids.append(torch.cat([ids, torch.full((padding,), pad_token_id)]))
+        labels.append(torch.cat([targets, torch.full((padding,), -100)]))
+        padded_cu.append(padded_cu[-1] + len(ids) + padding)
+    input_ids, labels = torch.cat(input_ids), torch.cat(labels)
+    max_length = max(end - start for start, end in zip(padded_cu[:-1], padded_cu[1:]))
 
     # Reference: the same padded batch (CP padding is part of each sequence) in one process, no context parallelism.
     cu = torch.tensor(padded_cu, dtype=torch.int32, device=device)
-    lengths_kwargs = {
-        "cu_seq_lens_q": cu,
-        "cu_seq_lens_k": cu,
-        "max_length_q": max(padded),
-        "max_length_k": max(padded),
-    }
+    lengths_kwargs = {"cu_seq_lens_q": cu, "cu_seq_lens_k": cu, "max_length_q": max_length, "max_length_k": max_length}
     reference = model(
         input_ids=input_ids.to(device).unsqueeze(0), labels=labels.to(device).unsqueeze(0), **lengths_kwargs
     )
@@ -70,7 +71,7 @@ def main(backend: str) -> None:
     model.zero_grad()
 
     group = dist.new_group(list(range(cp_size)))
-    model.amplify.set_context_parallel_group(group, list(range(cp_size)), torch.cuda.Stream() if on_gpu else None)
+    model.base_model.set_context_parallel_group(group, list(range(cp_size)), torch.cuda.Stream() if on_gpu else None)
     local = dual_chunk_positions(padded_cu, rank, cp_size)
     cp_batch = {
         "input_ids": input_ids[local].to(device).unsqueeze(0),
@@ -96,7 +97,7 @@ def main(backend: str) -> None:
     model.zero_grad()
     gathered = [torch.empty_like(out.logits) for _ in range(cp_size)]
     dist.all_gather(gathered, out.logits.contiguous())
-    full = torch.empty(1, sum(padded), config.vocab_size, device=device, dtype=out.logits.dtype)
+    full = torch.empty(1, padded_cu[-1], out.logits.shape[-1], device=device, dtype=out.logits.dtype)
     for r, logits in enumerate(gathered):
         full[0, dual_chunk_positions(padded_cu, r, cp_size).to(device)] = logits
     error = ((full.float() - reference.logits.float()).norm() / reference.logits.float().norm()).item()
@@ -120,9 +121,9 @@ def main(backend: str) -> None:
 
 
 if __name__ == "__main__":
-    main(sys.argv[1] if len(sys.argv) > 1 else "te")
+    main(sys.argv[1], sys.argv[2])
     # Leave without interpreter finalization: there, gloo's worker threads can still hold collective work objects
     # whose destruction aborts the process (SIGABRT, "terminate called without an active exception") after the
-    # work is done and reported; it hit CI about once in ten runs. Nothing is left to flush but stdout.
+    # work is done and reported. Nothing is left to flush but stdout.
     sys.stdout.flush()
     os._exit(0)
