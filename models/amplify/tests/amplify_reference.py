@@ -162,8 +162,10 @@ class AmplifyReference(PreTrainedModel):
         if attention_mask is None:
             attention_mask = torch.ones_like(input_ids)
         # Additive bias on the attention logits: padded keys get -inf, as the published pad_mask does.
-        key_bias = torch.zeros(batch, 1, 1, seq).masked_fill(attention_mask[:, None, None, :] == 0, float("-inf"))
-        angles = torch.outer(torch.arange(seq, dtype=torch.float32), self.inv_freq.float())
+        key_bias = torch.zeros(batch, 1, 1, seq, device=input_ids.device).masked_fill(
+            attention_mask[:, None, None, :] == 0, float("-inf")
+        )
+        angles = torch.outer(torch.arange(seq, dtype=torch.float32, device=input_ids.device), self.inv_freq.float())
         x = self.encoder(input_ids)
         if self.config.layer_norm_after_embedding:
             x = self.layer_norm_1(x)
