@@ -16,7 +16,8 @@ Recipes carry copies of shared code so that each recipe folder stands alone. Two
        source = "models/esm2/esm2_te/tokenizer"
        target = "recipes/esm2_native_te/tokenizer"
 
-   A directory source is mirrored: the target directory must hold exactly the same files.
+   A directory source is mirrored: the target directory must hold exactly the same files, besides the targets of
+   other entries.
 
 Where copies may come from (so that no folder becomes another's library): shared code has its one source in
 ``common/``; a recipe may also copy its model's own files (modeling code, tokenizer, configs) from ``models/<name>/``;
@@ -154,6 +155,9 @@ def manifest_copies(root: Path) -> tuple[list[Copy], list[Path], list[str]]:
                 extras += [p for rel, p in sorted(_files_under(target_path).items()) if rel not in source_files]
         else:  # a missing source is reported as an orphan by check()
             copies.append(Copy(target=target_path, source=source_path))
+    # A mirrored directory may hold another entry's copy (model_configs/ of two model packages in one recipe).
+    targets = {copy.target for copy in copies}
+    extras = [path for path in extras if path not in targets]
     return copies, extras, errors
 
 

@@ -121,6 +121,22 @@ def test_manifest_directory_entry_mirrors_the_source(repo):
     assert run(repo).returncode == 0
 
 
+def test_two_mirrored_sources_may_share_a_target_directory(repo):
+    """A recipe training two models keeps both packages' model_configs/ in one folder: neither file is EXTRA to the
+    other's mirror, but a file from neither still is."""
+    write(repo, "models/a/configs/small/config.json", '{"a": 1}')
+    write(repo, "models/b/configs/large/config.json", '{"b": 2}')
+    manifest = "".join(
+        f'[[copy]]\nsource = "models/{name}/configs"\ntarget = "recipes/r/configs"\n\n' for name in ("a", "b")
+    )
+    write(repo, "ci/copies.toml", manifest)
+    assert run(repo, "--fix").returncode == 0
+    assert run(repo).returncode == 0
+    write(repo, "recipes/r/configs/stray/config.json", "{}")
+    proc = run(repo)
+    assert proc.returncode == 1 and "EXTRA   recipes/r/configs/stray/config.json" in proc.stdout
+
+
 def test_manifest_with_missing_source_or_bad_entry_fails(repo):
     write(repo, "ci/copies.toml", '[[copy]]\nsource = "models/m/gone.json"\ntarget = "recipes/r/gone.json"\n')
     assert "ORPHAN  recipes/r/gone.json" in run(repo).stdout

@@ -1,7 +1,8 @@
-"""Masked-LM masking and batch collation for ESM-2 pre-training: mask, then pad (BSHD) or pack (THD), padded for CP.
+"""Masked-LM masking and batch collation for ESM-2 and AMPLIFY pre-training: mask, then pad (BSHD) or pack (THD),
+padded for CP.
 
-A *sample* (what ``dataset.py`` yields) is a dict ``{"input_ids": 1-D int array incl. <cls>/<eos>, "epoch": int,
-"sample_index": int}``. The collators turn a list of samples into the batch contract the model's forward accepts:
+A *sample* (what ``dataset.py`` yields) is a dict ``{"input_ids": 1-D int array incl. the start and end tokens,
+"epoch": int, "sample_index": int}``. The collators turn a list of samples into the batch contract the model's forward accepts:
 
 - BSHD: ``input_ids``/``attention_mask``/``labels`` ``[B, S]`` int64, right-padded with ``<pad>``; labels are -100
   where there is no loss.
@@ -41,7 +42,7 @@ RANDOM_TOKEN_IDS = (4, 29)  # half-open range
 
 class MLMMasker:
     """BERT-style masking: select ``mlm_probability`` of the residues; of those 80% -> <mask>, 10% -> random residue,
-    10% unchanged. Special tokens (<cls>, <eos>, <pad>, <unk>, <mask>) are never selected."""
+    10% unchanged. Special tokens (<cls>/<bos>, <eos>, <pad>, <unk>, <mask>) are never selected."""
 
     def __init__(
         self,

@@ -1,5 +1,5 @@
-"""Protein sequences for ESM-2 masked-LM pre-training: read, validate, tokenize, split per data-parallel rank, then
-mask and collate (collator.py: pad or pack, padded for context parallelism).
+"""Protein sequences for ESM-2 and AMPLIFY masked-LM pre-training: read, validate, tokenize, split per data-parallel
+rank, then mask and collate (collator.py: pad or pack, padded for context parallelism).
 
 ``create_dataloader(data_cfg, tokenizer, dp_rank, dp_world_size, seed, cp_size=1)`` is the entry point of the
 training scripts. The loader it returns **yields forever**: it steps the epoch (re-seeding the shuffle) on its
@@ -14,7 +14,7 @@ Data config keys (``data_cfg``, any mapping or OmegaConf DictConfig; unknown key
     split: train               HF split (a file source is always one split)
     streaming: false           stream instead of tokenizing everything up front with datasets.map
     sequence_column: sequence  column holding the residues (FASTA sources always provide "id" and "sequence")
-    max_seq_length: 1024       tokens per sequence including <cls> and <eos>
+    max_seq_length: 1024       tokens per sequence including the start and end tokens (<cls>/<bos>, <eos>)
     invalid_residue_policy: error     error | skip | replace_unk
     long_sequence_policy: truncate    truncate | skip | error
     input_format: bshd         bshd (padded [B, S]) | thd (packed [1, T])
@@ -216,7 +216,9 @@ class SequencePolicy:
         if self.long_sequence_policy not in LONG_POLICIES:
             raise ConfigError(f"long_sequence_policy must be one of {LONG_POLICIES}")
         if self.max_seq_length < 3:
-            raise ConfigError(f"max_seq_length {self.max_seq_length} leaves no room for residues besides <cls>/<eos>")
+            raise ConfigError(
+                f"max_seq_length {self.max_seq_length} leaves no room for residues besides the start and end tokens"
+            )
 
     @classmethod
     def from_tokenizer(cls, tokenizer, **kwargs) -> "SequencePolicy":
@@ -231,8 +233,8 @@ class SequencePolicy:
         bad = set(seq).difference(self.alphabet)
         if bad and self.invalid_residue_policy == "error":
             raise ConfigError(
-                f"{where}: characters {sorted(bad)} are not ESM residues; set invalid_residue_policy to skip or "
-                "replace_unk to accept such data"
+                f"{where}: characters {sorted(bad)} are not residues of the tokenizer; set invalid_residue_policy "
+                "to skip or replace_unk to accept such data"
             )
         if bad and self.invalid_residue_policy == "skip":
             return "", SKIP_INVALID, 0, False

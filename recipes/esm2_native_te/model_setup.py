@@ -2,7 +2,8 @@
 sharding, init.
 
 ``model_tag`` is a directory (or Hugging Face Hub id) holding a ``config.json``: one of this recipe's
-``model_configs/`` to pre-train from scratch, an NVEsm export, or a stock Hugging Face ESM-2 checkpoint. With
+``model_configs/`` to pre-train from scratch (ESM-2 or AMPLIFY), an export of this recipe, a stock Hugging Face
+ESM-2 checkpoint or a published AMPLIFY one (``model_families.py`` tells them apart). With
 ``init_from_pretrained: true`` its weights are loaded too (stock checkpoints are converted on the fly): fine-tuning.
 
 ``build_model(cfg, device, meshes, strategy)`` returns a :class:`BuiltModel`. Strategies:
@@ -22,20 +23,19 @@ from dataclasses import dataclass
 
 import torch
 import torch.distributed as dist
-from convert import convert_esm_hf_to_te, nv_config_from_hf
 from distributed import Meshes
 from mixed_precision import computes_in_bf16, keeps_fp32_master_weights, mixed_precision_policy
-from modeling_esm_te import NVEsmConfig, NVEsmForMaskedLM, resolve_backend
+from model_families import ModelFamily, family_of, model_source
+from modeling_esm_te import resolve_backend
 from omegaconf import DictConfig, OmegaConf
 from perf_logger import ModelFlops
 from quant_stats import QuantStats
 from quantization import QuantizationPlan, build_quantization, check_quantization_supported
-from recipe_paths import looks_like_hub_id, model_directory, recipe_path
 from torch.distributed.checkpoint.state_dict import StateDictOptions, set_model_state_dict
 from torch.distributed.fsdp import fully_shard
 from torch.distributed.tensor import DTensor
 from torch.nn.parallel import DistributedDataParallel
-from transformers import EsmConfig, EsmForMaskedLM, PretrainedConfig
+from transformers import PretrainedConfig
 from user_errors import ConfigError, UnsupportedHardwareError
 from weight_conversion import load_state_dict_exactly
 
@@ -56,7 +56,7 @@ class BuiltModel:
     # Megatron-FSDP's wrapper (its ``.module`` is the model).
     model: torch.nn.Module
     train_model: torch.nn.Module  # what the loop calls: the DDP wrapper and/or torch.compile of ``model``
-    config: NVEsmConfig
+    config: PretrainedConfig  # NVEsmConfig or NVAmplifyConfig
     plan: QuantizationPlan
     model_flops: ModelFlops
     strategy: str
@@ -78,48 +78,21 @@ class BuiltModel:
         return self.ddp.no_sync() if self.ddp is not None else contextlib.nullcontext()
 
 
-def model_source(cfg: DictConfig) -> str:
-    """``model_tag`` as a local directory when one exists (recipe-relative paths included), else as a Hub id."""
-    if recipe_path(cfg.model_tag).exists() or not looks_like_hub_id(str(cfg.model_tag)):
-        # A local directory must be complete: Transformers would build a default model from one without config.json.
-        return str(model_directory(cfg.model_tag, weights=cfg.init_from_pretrained))
-    return str(cfg.model_tag)
-
-
-def _is_stock_esm(source: str) -> bool:
-    """True for a stock Hugging Face ESM-2 checkpoint, False for an NVEsm one (an export or a model config).
-
-    Both say ``model_type: esm`` (NVEsm exports use the stock type so that tokenizers load without custom code; older
-    ones said ``nv_esm``); an NVEsm config names its own classes in ``architectures``.
-    """
-    config = PretrainedConfig.get_config_dict(source)[0]
-    model_type = config.get("model_type")
-    if model_type not in ("esm", "nv_esm"):
-        raise ConfigError(
-            f"model_tag {source} holds a {model_type!r} model, not ESM-2 ('esm'): point it at an ESM-2 model"
-        )
-    return model_type == "esm" and not any(name.startswith("NVEsm") for name in config.get("architectures") or [])
-
-
-def load_model_config(cfg: DictConfig) -> tuple[NVEsmConfig, QuantizationPlan]:
+def load_model_config(cfg: DictConfig) -> tuple[PretrainedConfig, QuantizationPlan]:
     """config.json from ``model_tag``, this run's overrides, and the per-layer FP8/FP4 plan the model needs."""
     source = model_source(cfg)
-    stock = _is_stock_esm(source)
-    base = nv_config_from_hf(EsmConfig.from_pretrained(source)) if stock else NVEsmConfig.from_pretrained(source)
+    family = family_of(source)
     overrides = OmegaConf.to_container(cfg.model_config_overrides)
-    unknown = sorted(set(overrides) - set(base.to_dict()))
+    unknown = sorted(set(overrides) - set(family.load_config(source).to_dict()))
     if unknown:
         raise ConfigError(
             f"model_config_overrides has keys {unknown} that {source}/config.json does not have; check their spelling"
         )
-    if stock:
-        config = nv_config_from_hf(EsmConfig.from_pretrained(source), **overrides)
-    else:
-        config = NVEsmConfig.from_pretrained(source, **overrides)
+    config = family.load_config(source, **overrides)
     fp8_config, fp4_config = OmegaConf.to_container(cfg.fp8_config), OmegaConf.to_container(cfg.fp4_config)
     plan = build_quantization(fp8_config, fp4_config, config.num_hidden_layers)
     config.layer_precision = plan.layer_precision
-    config.validate_nv_esm()
+    family.validate(config)
     return config, plan
 
 
@@ -128,11 +101,7 @@ def load_pretrained_state_dict(cfg: DictConfig) -> dict[str, torch.Tensor] | Non
     if not cfg.init_from_pretrained:
         return None
     source = model_source(cfg)
-    if _is_stock_esm(source):
-        hf_model = EsmForMaskedLM.from_pretrained(source, dtype=torch.float32)
-        model = convert_esm_hf_to_te(hf_model, backend="torch")
-    else:
-        model = NVEsmForMaskedLM.from_pretrained(source, backend="torch", dtype=torch.float32)
+    model = family_of(source).load_weights(source)
     logger.info("Fine-tuning from the weights in %s", source)
     return {k: v for k, v in model.state_dict().items() if not k.endswith("_extra_state")}
 
@@ -171,6 +140,7 @@ def build_model(
     """
     if strategy not in STRATEGIES:
         raise ValueError(f"strategy must be one of {STRATEGIES}, got {strategy!r}")
+    family = family_of(model_source(cfg))
     config, plan = load_model_config(cfg)
     check_quantization_supported(plan, device)  # FP8/FP4 on a machine that cannot run it fails here
     try:
@@ -178,10 +148,10 @@ def build_model(
     except RuntimeError as error:
         raise UnsupportedHardwareError(f"{error} (+model_config_overrides.backend=torch)") from None
     if strategy == "mfsdp":
-        return _build_megatron_fsdp(cfg, device, meshes, config, plan, quant_stats)
+        return _build_megatron_fsdp(cfg, device, meshes, family, config, plan, quant_stats)
     on_meta = strategy == "fsdp2" and cfg.fsdp.use_meta_device
     with torch.device("meta" if on_meta else device):
-        model = NVEsmForMaskedLM(config, fp8_recipe=plan.fp8_recipe, fp4_recipe=plan.fp4_recipe)
+        model = family.model_class(config, fp8_recipe=plan.fp8_recipe, fp4_recipe=plan.fp4_recipe)
     pretrained = load_pretrained_state_dict(cfg)
     if strategy == "ddp":
         apply_pretrained_weights(model, pretrained)
@@ -196,14 +166,14 @@ def build_model(
         # Every attention layer exchanges K/V blocks with the other ranks of this rank's CP group.
         cp_group = meshes.cp.get_group()
         cp_stream = torch.cuda.Stream() if device.type == "cuda" else None
-        model.esm.set_context_parallel_group(cp_group, dist.get_process_group_ranks(cp_group), cp_stream)
+        family.encoder(model).set_context_parallel_group(cp_group, dist.get_process_group_ranks(cp_group), cp_stream)
 
     ddp = None
     if strategy == "fsdp2":
         # FSDP2 over meshes.fsdp (dp x cp with context parallelism: CP ranks hold the same weights).
         policy = mixed_precision_policy(cfg.mixed_precision, device)
         reshard = cfg.fsdp.reshard_after_forward
-        for layer in model.esm.encoder.layers:
+        for layer in family.transformer_layers(model):
             fully_shard(layer, mesh=meshes.fsdp, mp_policy=policy, reshard_after_forward=reshard)
         fully_shard(model, mesh=meshes.fsdp, mp_policy=policy, reshard_after_forward=reshard)
         if on_meta:
@@ -222,17 +192,17 @@ def build_model(
     return BuiltModel(model, train_model, config, plan, model_flops, strategy, ddp)
 
 
-def _build_megatron_fsdp(cfg, device, meshes, config, plan, quant_stats) -> BuiltModel:
+def _build_megatron_fsdp(cfg, device, meshes, family: ModelFamily, config, plan, quant_stats) -> BuiltModel:
     """Megatron-FSDP: the model built whole on this GPU, then sharded together with its optimizer.
 
-    Megatron-FSDP's meta-device path would initialise weights with each module's reset_parameters(), not ESM's
+    Megatron-FSDP's meta-device path would initialise weights with each module's reset_parameters(), not the model's own
     initialisation, so it is not used. Its fp32 main weights live in its own sharded buffers, so the model itself is
     cast to bf16 whenever bf16 compute is on.
     """
     import megatron_fsdp
 
     with torch.device(device):
-        model = NVEsmForMaskedLM(config, fp8_recipe=plan.fp8_recipe, fp4_recipe=plan.fp4_recipe)
+        model = family.model_class(config, fp8_recipe=plan.fp8_recipe, fp4_recipe=plan.fp4_recipe)
     apply_pretrained_weights(model, load_pretrained_state_dict(cfg))  # fine-tuning: init_from_pretrained=true
     if cfg.mixed_precision.enabled:
         model.to(torch.bfloat16)  # compute weights; fp32 main weights live in Megatron-FSDP's buffers
@@ -253,7 +223,7 @@ def _build_megatron_fsdp(cfg, device, meshes, config, plan, quant_stats) -> Buil
         device_mesh=meshes.fsdp,
         dp_shard_dim="dp",
         tp_dim="tp",
-        fsdp_unit_modules=[type(model.esm.encoder.layers[0])],
+        fsdp_unit_modules=[type(family.transformer_layers(model)[0])],
         zero_dp_strategy=cfg.fsdp.mfsdp_zero_dp_strategy,
         mixed_precision_policy=policy,
         device=device,

@@ -1,5 +1,6 @@
-"""Pre-train ESM-2 with context parallelism: each sequence is split over ``cp_size`` GPUs (ring attention in
-TransformerEngine), and FSDP2 shards the weights over all GPUs. For sequences too long for one GPU's memory.
+"""Pre-train ESM-2 or AMPLIFY (``model_tag``) with context parallelism: each sequence is split over ``cp_size`` GPUs
+(ring attention in TransformerEngine), and FSDP2 shards the weights over all GPUs. For sequences too long for one GPU's
+memory.
 
     torchrun --nproc_per_node=8 train_cp.py --config-name L0_sanity_cp cp_size=2
 
@@ -20,13 +21,13 @@ from context_parallel import shard_for_context_parallel
 from dataset import create_dataloader
 from distributed import build_meshes, cleanup_distributed, move_to_device, setup_distributed
 from grad_accumulation import count_targets, token_weights
+from model_families import load_tokenizer
 from model_setup import build_model
 from omegaconf import DictConfig, OmegaConf
 from perf_logger import PerfLogger, Profiler, quiet_progress_bars_off_a_terminal
 from quant_stats import QuantStats
-from recipe_paths import config_name, tokenizer_source
+from recipe_paths import config_name
 from scheduler import get_linear_schedule_with_warmup
-from transformers import AutoTokenizer
 from user_errors import check_config, report_user_errors
 
 
@@ -46,7 +47,7 @@ def main(cfg: DictConfig) -> None:
 
     # The model as in train_fsdp2.py, sharded over all ranks (dp x cp: CP ranks hold the same weights, so sharding
     # over them too only saves memory), its attention split over this rank's CP group.
-    tokenizer = AutoTokenizer.from_pretrained(tokenizer_source(cfg.tokenizer_path))
+    tokenizer = load_tokenizer(cfg)  # the model family's, with tokenizer_path: auto
     quant_stats = QuantStats.start(cfg.quant_stats, cfg.output_dir)  # before TE builds its first layer
     built = build_model(cfg, device, meshes, strategy="fsdp2", quant_stats=quant_stats)
     model = built.model

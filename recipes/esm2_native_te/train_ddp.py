@@ -1,4 +1,5 @@
-"""Pre-train ESM-2 with DistributedDataParallel: every GPU holds the whole model and averages gradients.
+"""Pre-train ESM-2 or AMPLIFY (``model_tag``) with DistributedDataParallel: every GPU holds the whole model and averages
+gradients.
 
     python train_ddp.py                                   # one process (CPU or one GPU), the L0 sanity config
     torchrun --nproc_per_node=8 train_ddp.py --config-name L1_650M
@@ -17,13 +18,13 @@ from dataset import create_dataloader
 from distributed import cleanup_distributed, move_to_device, setup_distributed
 from grad_accumulation import count_targets, token_weights
 from mixed_precision import computes_in_bf16
+from model_families import load_tokenizer
 from model_setup import build_model
 from omegaconf import DictConfig, OmegaConf
 from perf_logger import PerfLogger, Profiler, quiet_progress_bars_off_a_terminal
 from quant_stats import QuantStats
-from recipe_paths import config_name, tokenizer_source
+from recipe_paths import config_name
 from scheduler import get_linear_schedule_with_warmup
-from transformers import AutoTokenizer
 from user_errors import check_config, report_user_errors
 
 
@@ -42,7 +43,7 @@ def main(cfg: DictConfig) -> None:
 
     # Model: the same random init on every rank (same seed), or the weights in model_tag with init_from_pretrained,
     # wrapped in DDP when launched by torchrun.
-    tokenizer = AutoTokenizer.from_pretrained(tokenizer_source(cfg.tokenizer_path))
+    tokenizer = load_tokenizer(cfg)  # the model family's, with tokenizer_path: auto
     quant_stats = QuantStats.start(cfg.quant_stats, cfg.output_dir)  # before TE builds its first layer
     built = build_model(cfg, device, meshes=None, strategy="ddp", quant_stats=quant_stats)
     model = built.model

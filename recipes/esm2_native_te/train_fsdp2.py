@@ -1,5 +1,5 @@
-"""Pre-train ESM-2 with FSDP2 (``torch.distributed.fsdp.fully_shard``): weights, gradients and optimizer state are
-sharded over all GPUs, and each transformer layer is gathered only while it computes.
+"""Pre-train ESM-2 or AMPLIFY (``model_tag``) with FSDP2 (``torch.distributed.fsdp.fully_shard``): weights, gradients
+and optimizer state are sharded over all GPUs, and each transformer layer is gathered only while it computes.
 
     python train_fsdp2.py                                 # one process (CPU or one GPU), the L0 sanity config
     torchrun --nproc_per_node=8 train_fsdp2.py --config-name L1_3B
@@ -17,13 +17,13 @@ from checkpoint import Checkpointer, export_final_model, gather_full_state_dict
 from dataset import create_dataloader
 from distributed import build_meshes, cleanup_distributed, move_to_device, setup_distributed
 from grad_accumulation import count_targets, token_weights
+from model_families import load_tokenizer
 from model_setup import build_model
 from omegaconf import DictConfig, OmegaConf
 from perf_logger import PerfLogger, Profiler, quiet_progress_bars_off_a_terminal
 from quant_stats import QuantStats
-from recipe_paths import config_name, tokenizer_source
+from recipe_paths import config_name
 from scheduler import get_linear_schedule_with_warmup
-from transformers import AutoTokenizer
 from user_errors import check_config, report_user_errors
 
 
@@ -44,7 +44,7 @@ def main(cfg: DictConfig) -> None:
     # Model on the meta device, each layer then the root sharded, each rank materialising only its own shards (or
     # loading them from model_tag with init_from_pretrained). fp32 master weights are cast to bf16 per layer for
     # compute, and gradients are reduced in fp32.
-    tokenizer = AutoTokenizer.from_pretrained(tokenizer_source(cfg.tokenizer_path))
+    tokenizer = load_tokenizer(cfg)  # the model family's, with tokenizer_path: auto
     quant_stats = QuantStats.start(cfg.quant_stats, cfg.output_dir)  # before TE builds its first layer
     built = build_model(cfg, device, meshes, strategy="fsdp2", quant_stats=quant_stats)
     model = built.model

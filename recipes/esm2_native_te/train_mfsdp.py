@@ -1,5 +1,5 @@
-"""Pre-train ESM-2 with Megatron-FSDP (``megatron_fsdp.fully_shard``): NVIDIA's FSDP with bucketed, overlapped
-communication and fp32 main weights kept in its own sharded buffers. NVIDIA GPUs only.
+"""Pre-train ESM-2 or AMPLIFY (``model_tag``) with Megatron-FSDP (``megatron_fsdp.fully_shard``): NVIDIA's FSDP with
+bucketed, overlapped communication and fp32 main weights kept in its own sharded buffers. NVIDIA GPUs only.
 
     torchrun --nproc_per_node=8 train_mfsdp.py --config-name L1_3B
 
@@ -17,14 +17,14 @@ from checkpoint import Checkpointer, export_final_model, gather_full_state_dict
 from dataset import create_dataloader
 from distributed import Meshes, cleanup_distributed, move_to_device, setup_distributed
 from grad_accumulation import count_targets, token_weights
+from model_families import load_tokenizer
 from model_setup import build_model
 from omegaconf import DictConfig, OmegaConf
 from perf_logger import PerfLogger, Profiler, quiet_progress_bars_off_a_terminal
 from quant_stats import QuantStats
-from recipe_paths import config_name, tokenizer_source
+from recipe_paths import config_name
 from scheduler import get_linear_schedule_with_warmup
 from torch.distributed.device_mesh import init_device_mesh
-from transformers import AutoTokenizer
 from user_errors import MissingPackageError, UnsupportedHardwareError, check_config, report_user_errors
 
 
@@ -61,7 +61,7 @@ def main(cfg: DictConfig) -> None:
 
     # Model built whole on this GPU (pretrained weights with init_from_pretrained), then sharded together with its
     # optimizer; each transformer layer is one FSDP unit.
-    tokenizer = AutoTokenizer.from_pretrained(tokenizer_source(cfg.tokenizer_path))
+    tokenizer = load_tokenizer(cfg)  # the model family's, with tokenizer_path: auto
     quant_stats = QuantStats.start(cfg.quant_stats, cfg.output_dir)  # before TE builds its first layer
     built = build_model(cfg, device, Meshes(fsdp=mesh, dp=mesh["dp"]), strategy="mfsdp", quant_stats=quant_stats)
     model, optimizer = built.model, built.optimizer

@@ -58,7 +58,7 @@ def test_residues_outside_the_alphabet_from_a_loader_worker(tmp_path):
     """The row is checked inside the data-loader worker (num_workers: 1): still one line, with the worker's message."""
     (tmp_path / "proteins.fasta").write_text(">p1\nMKTAYIAKQR\n>p2\nMKTA1YIAK#\n")
     result = fail("train_ddp.py", tmp_path, f"dataset.path={tmp_path / 'proteins.fasta'}")
-    assert_user_error(result, "are not ESM residues", "invalid_residue_policy")
+    assert_user_error(result, "are not residues of the tokenizer", "invalid_residue_policy")
 
 
 # ---------------------------------------------------------------------------------------------------- config

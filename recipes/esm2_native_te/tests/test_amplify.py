@@ -1,0 +1,203 @@
+"""AMPLIFY in this recipe: the ESM-2 entrypoints train it when ``model_tag`` holds an AMPLIFY model, on CPU here.
+
+The references are the ones the ESM-2 tests use (loss below the residue background entropy, an export that
+reproduces the checkpointed weights, lr=0 fine-tuning that leaves the loaded weights exactly as they were) plus the
+published checkpoint layout, written by the model package's own converter.
+"""
+
+import json
+
+import pytest
+import torch
+from convert_amplify import convert_amplify_hf_to_te, convert_amplify_te_to_hf
+from dataset import KEPT, SKIP_INVALID, SequencePolicy
+from launch import RECIPE_DIR, assert_user_error, run_script
+from model_families import Amplify, Esm2, family_of
+from modeling_amplify_te import NVAmplifyConfig, NVAmplifyForMaskedLM
+from safetensors.torch import save_file
+from test_train import (
+    CONVERGE,
+    FAST,
+    LOSS_THRESHOLD,
+    TINY_MODEL,
+    assert_converged,
+    assert_export_reproduces_checkpoint,
+    load_export,
+    read_metrics,
+    train,
+)
+from transformers import AutoTokenizer, EsmConfig
+from user_errors import ConfigError
+
+
+AMPLIFY = "model_tag=model_configs/AMPLIFY_120M"
+NO_LEARNING = ["num_train_steps=2", "adamw_kwargs.lr=0.0", "logger.log_every=1", "checkpoint.save_every=0"]
+
+
+def amplify_tokenizer():
+    return AutoTokenizer.from_pretrained(RECIPE_DIR / "tokenizer_amplify")
+
+
+def test_model_tag_decides_the_model_family(tmp_path):
+    stock_esm, published_amplify, bert = tmp_path / "esm", tmp_path / "amplify", tmp_path / "bert"
+    EsmConfig(vocab_size=33, hidden_size=64, num_hidden_layers=1, num_attention_heads=4).save_pretrained(stock_esm)
+    published_amplify.mkdir()
+    _, config = convert_amplify_te_to_hf(NVAmplifyForMaskedLM(tiny_config()))
+    (published_amplify / "config.json").write_text(json.dumps(config))
+    bert.mkdir()
+    (bert / "config.json").write_text('{"model_type": "bert"}')
+
+    cases = {
+        RECIPE_DIR / "model_configs" / "esm2_t6_8M_UR50D": (Esm2, False),
+        RECIPE_DIR / "model_configs" / "AMPLIFY_120M": (Amplify, False),  # says model_type "esm", like ESM-2
+        stock_esm: (Esm2, True),
+        published_amplify: (Amplify, True),
+    }
+    for source, (family, stock) in cases.items():
+        found = family_of(str(source))
+        assert (type(found), found.stock) == (family, stock), source
+    with pytest.raises(ConfigError, match="holds a 'bert' model, not ESM-2"):
+        family_of(str(bert))
+
+
+def test_the_shipped_l0_sanity_amplify_config_learns_and_exports(tmp_path):
+    """The config as a user runs it (150 steps of the 7M-parameter AMPLIFY, about a minute on two CPU cores)."""
+    run_script("train_ddp.py", "--config-name", "L0_sanity_amplify", f"output_dir={tmp_path}", timeout=600)
+    metrics = read_metrics(tmp_path)
+    assert_converged(metrics, steps=150, initial_loss_above=LOSS_THRESHOLD)  # from ln(27) = 3.3 at step 1
+    export_dir = tmp_path / "final_model"
+    assert json.loads((export_dir / "config.json").read_text())["architectures"] == ["NVAmplifyForMaskedLM"]
+    assert len(AutoTokenizer.from_pretrained(export_dir)) == 27  # the AMPLIFY vocabulary went with the export
+    assert_export_reproduces_checkpoint(tmp_path, step=150)
+
+
+@pytest.mark.parametrize(
+    ("script", "nproc", "input_format"),
+    [
+        ("train_ddp.py", 2, "bshd"),
+        ("train_fsdp2.py", 2, "thd"),
+        ("train_cp.py", 2, "thd"),  # cp_size=2 (torch backend: all-gathered attention)
+    ],
+)
+def test_every_cpu_entrypoint_trains_amplify(tmp_path, script, nproc, input_format):
+    extra = ["cp_size=2"] if script == "train_cp.py" else []
+    metrics = train(
+        script, tmp_path, AMPLIFY, *CONVERGE, f"dataset.input_format={input_format}", "dataset.num_workers=0", *extra,
+        nproc=nproc,
+    )  # fmt: skip
+    assert_converged(metrics, steps=80, initial_loss_above=LOSS_THRESHOLD)
+    assert_export_reproduces_checkpoint(tmp_path, step=80)
+
+
+def test_amplify_stop_and_go_matches_uninterrupted_run(tmp_path):
+    """FSDP2 shards AMPLIFY's own module tree; 40 + resume + 40 steps equal 80 in one go, bit for bit."""
+    common = [AMPLIFY, *CONVERGE, "logger.log_every=1", "dataset.input_format=thd", "dataset.num_workers=0"]
+    full = train("train_fsdp2.py", tmp_path / "full", *common, nproc=2)
+    train("train_fsdp2.py", tmp_path / "resumed", *common, "num_train_steps=40", nproc=2)
+    resumed = train("train_fsdp2.py", tmp_path / "resumed", *common, nproc=2)
+    assert [m["loss"] for m in resumed] == [m["loss"] for m in full]
+    assert [m["grad_norm"] for m in resumed] == [m["grad_norm"] for m in full]
+
+
+# ------------------------------------------------------------------------------------------- published checkpoints
+
+
+def tiny_config() -> NVAmplifyConfig:
+    return NVAmplifyConfig(hidden_size=64, num_hidden_layers=2, num_attention_heads=4, intermediate_size=256)
+
+
+@pytest.fixture(scope="module")
+def published_checkpoint(tmp_path_factory):
+    """A tiny AMPLIFY in the published layout (chandar-lab's keys and config.json), with random weights."""
+    torch.manual_seed(5)
+    model = NVAmplifyForMaskedLM(tiny_config())
+    with torch.no_grad():
+        model.decoder.bias.normal_()  # zero at init: make it something a wrong load could not reproduce
+    state_dict, config = convert_amplify_te_to_hf(model)
+    path = tmp_path_factory.mktemp("published") / "AMPLIFY_tiny"
+    path.mkdir()
+    save_file(state_dict, path / "model.safetensors")
+    (path / "config.json").write_text(json.dumps(config))
+    return path, state_dict, config
+
+
+def assert_export_holds(output_dir, expected: dict[str, torch.Tensor]) -> None:
+    exported_model = load_export(output_dir)
+    assert exported_model.config.architectures == ["NVAmplifyForMaskedLM"]  # not FSDP2's wrapper class
+    exported = exported_model.state_dict()
+    for key, value in expected.items():
+        if not key.endswith("_extra_state"):
+            assert torch.equal(exported[key], value), key
+
+
+@pytest.mark.parametrize(("script", "nproc"), [("train_ddp.py", None), ("train_fsdp2.py", 2)])
+def test_finetune_from_a_published_checkpoint_keeps_its_weights(tmp_path, published_checkpoint, script, nproc):
+    """Converted on load; with lr=0 the export must hold the published weights exactly (FSDP2: loaded per shard)."""
+    path, state_dict, config = published_checkpoint
+    first = tmp_path / "from_published"
+    run_script(
+        script, f"output_dir={first}", f"model_tag={path}", "init_from_pretrained=true", *FAST, *NO_LEARNING,
+        nproc=nproc,
+    )  # fmt: skip
+    expected = convert_amplify_hf_to_te(state_dict, config, backend="torch").state_dict()
+    assert_export_holds(first, expected)
+
+    # ... and the export is a model_tag in its turn (an NVAmplify directory, not the published layout).
+    second = tmp_path / "from_export"
+    run_script(
+        script, f"output_dir={second}", f"model_tag={first / 'final_model'}", "init_from_pretrained=true", *FAST,
+        *NO_LEARNING, nproc=nproc,
+    )  # fmt: skip
+    assert_export_holds(second, expected)
+
+
+def test_published_checkpoint_with_a_missing_weight_names_it(tmp_path, published_checkpoint):
+    path, state_dict, config = published_checkpoint
+    broken = tmp_path / "broken"
+    broken.mkdir()
+    save_file(
+        {k: v for k, v in state_dict.items() if k != "transformer_encoder.1.ffn.w3.weight"},
+        broken / "model.safetensors",
+    )
+    (broken / "config.json").write_text(json.dumps(config))
+    result = run_script(
+        "train_ddp.py", f"output_dir={tmp_path / 'run'}", f"model_tag={broken}", "init_from_pretrained=true", *FAST,
+        *NO_LEARNING, expect_failure=True,
+    )  # fmt: skip
+    assert_user_error(result, "missing keys ['transformer_encoder.1.ffn.w3.weight']")
+    assert not (tmp_path / "run" / "checkpoints").exists()
+
+
+# ------------------------------------------------------------------------------------------------ tokens and data
+
+
+def test_the_esm2_tokenizer_on_an_amplify_model_fails_clearly(tmp_path):
+    """33 ESM-2 tokens would index AMPLIFY's 27-token embedding (padded to 64 rows) and train on without an error."""
+    result = run_script(
+        "train_ddp.py", f"output_dir={tmp_path}", AMPLIFY, TINY_MODEL, "tokenizer_path=tokenizer", *FAST,
+        expect_failure=True,
+    )  # fmt: skip
+    assert_user_error(
+        result, "does not fit the AMPLIFY model", "vocabulary size 33 (model: 27)", "tokenizer_path=auto"
+    )
+
+
+def test_residues_outside_the_amplify_vocabulary_follow_the_policy():
+    """AMPLIFY's vocabulary has the 20 amino acids and B but not X, U, Z or O (ESM-2's has them all)."""
+    tokenizer = amplify_tokenizer()
+    tokens = tokenizer("MKV")["input_ids"]
+    assert tokens[0] == tokenizer.convert_tokens_to_ids("<bos>") and tokens[-1] == tokenizer.eos_token_id
+
+    def clean(policy: str):
+        sequence_policy = SequencePolicy.from_tokenizer(tokenizer, max_seq_length=64, invalid_residue_policy=policy)
+        return sequence_policy.clean("MKXV", crop_seed=(0,), where="row 3")
+
+    with pytest.raises(ConfigError, match=r"row 3: characters \['X'\] are not residues of the tokenizer"):
+        clean("error")
+    assert clean("skip")[1] == SKIP_INVALID
+    text, code, replaced, _ = clean("replace_unk")
+    assert (code, replaced) == (KEPT, 1)
+    assert (
+        tokenizer(text)["input_ids"][1:-1]
+        == tokenizer("MK")["input_ids"][1:-1] + [tokenizer.unk_token_id] + tokenizer("V")["input_ids"][1:-1]
+    )
