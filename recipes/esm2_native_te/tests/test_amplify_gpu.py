@@ -9,7 +9,7 @@ from test_train import LOSS_THRESHOLD, assert_export_reproduces_checkpoint
 from test_train_gpu import assert_learned, train_on_gpu
 
 
-L0_AMPLIFY = ["--config-name", "L0_sanity_amplify"]
+L0_AMPLIFY = "L0_sanity_amplify"
 STEPS = 150
 # L0_sanity_amplify's shape, as overrides of L0_sanity_cp (which sets model_config_overrides.backend).
 L0_AMPLIFY_SHAPE = [
@@ -30,7 +30,7 @@ L0_AMPLIFY_SHAPE = [
 )
 def test_te_backend_learns_and_exports(tmp_path, script, overrides):
     metrics = train_on_gpu(
-        script, tmp_path, *L0_AMPLIFY, "+model_config_overrides.backend=te", *overrides, steps=STEPS
+        script, tmp_path, "+model_config_overrides.backend=te", *overrides, steps=STEPS, config_name=L0_AMPLIFY
     )
     assert_learned(metrics, threshold=LOSS_THRESHOLD)
     assert_export_reproduces_checkpoint(tmp_path, step=STEPS)
@@ -46,7 +46,7 @@ def test_fp8_layers_learn(tmp_path, recipe):
         f"fp8_config.fp8_recipe={recipe}",
         "fp8_config.keep_first_last_bf16=1",  # layers 2..5 in FP8
     ]
-    metrics = train_on_gpu("train_fsdp2.py", tmp_path, *L0_AMPLIFY, *overrides, steps=STEPS)
+    metrics = train_on_gpu("train_fsdp2.py", tmp_path, *overrides, steps=STEPS, config_name=L0_AMPLIFY)
     assert_learned(
         metrics, threshold=2.9, last_steps=40
     )  # FP8 steps are noisier: the background entropy still needs context
@@ -56,7 +56,9 @@ def test_fp8_layers_learn(tmp_path, recipe):
 @pytest.mark.requires_gpu
 @pytest.mark.skipif(importlib.util.find_spec("megatron_fsdp") is None, reason="megatron-fsdp is not installed")
 def test_megatron_fsdp_learns_and_exports(tmp_path):
-    metrics = train_on_gpu("train_mfsdp.py", tmp_path, *L0_AMPLIFY, "dataset.input_format=thd", nproc=1, steps=STEPS)
+    metrics = train_on_gpu(
+        "train_mfsdp.py", tmp_path, "dataset.input_format=thd", nproc=1, steps=STEPS, config_name=L0_AMPLIFY
+    )
     assert_learned(metrics)
     assert_export_reproduces_checkpoint(tmp_path, step=STEPS)
 
@@ -71,6 +73,6 @@ def test_context_parallel_learns_and_exports(tmp_path):
         "model_tag=model_configs/AMPLIFY_120M",
         *L0_AMPLIFY_SHAPE,
     ]
-    metrics = train_on_gpu("train_cp.py", tmp_path, *overrides, nproc=2, steps=STEPS)
+    metrics = train_on_gpu("train_cp.py", tmp_path, *overrides, nproc=2, steps=STEPS, config_name="L0_sanity_cp")
     assert_learned(metrics)
     assert_export_reproduces_checkpoint(tmp_path, step=STEPS)

@@ -14,11 +14,20 @@ from test_train import LOSS_THRESHOLD, assert_export_reproduces_checkpoint, read
 
 
 def train_on_gpu(
-    script: str, output_dir: Path, *overrides: str, nproc: int | None = None, steps: int = 100
+    script: str,
+    output_dir: Path,
+    *overrides: str,
+    nproc: int | None = None,
+    steps: int = 100,
+    config_name: str | None = None,
 ) -> list[dict]:
     """``steps`` steps, logged every 10, with a checkpoint halfway (the export is compared with the last one)."""
+    # Hydra's --config-name goes before the overrides: argparse takes no positional arguments after an option.
+    config = ["--config-name", config_name] if config_name else []
     schedule = [f"num_train_steps={steps}", "logger.log_every=10", f"checkpoint.save_every={steps // 2}"]
-    run_script(script, f"output_dir={output_dir}", *schedule, *overrides, nproc=nproc, cpu_only=False, timeout=600)
+    run_script(
+        script, *config, f"output_dir={output_dir}", *schedule, *overrides, nproc=nproc, cpu_only=False, timeout=600
+    )
     return read_metrics(output_dir)
 
 
@@ -112,7 +121,7 @@ def test_megatron_fsdp_learns_and_exports(tmp_path):
 @pytest.mark.requires_multi_gpu
 @pytest.mark.requires_te
 def test_context_parallel_learns_and_exports(tmp_path):
-    metrics = train_on_gpu("train_cp.py", tmp_path, "--config-name", "L0_sanity_cp", nproc=2)
+    metrics = train_on_gpu("train_cp.py", tmp_path, nproc=2, config_name="L0_sanity_cp")
     assert_learned(metrics)
     assert_export_reproduces_checkpoint(tmp_path, step=100)
 
