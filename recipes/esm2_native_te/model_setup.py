@@ -90,10 +90,29 @@ def load_model_config(cfg: DictConfig) -> tuple[PretrainedConfig, QuantizationPl
         )
     config = family.load_config(source, **overrides)
     fp8_config, fp4_config = OmegaConf.to_container(cfg.fp8_config), OmegaConf.to_container(cfg.fp4_config)
+    if fp8_config["enabled"] or fp4_config["enabled"]:
+        check_quantized_gemm_shapes(config)  # a shape problem first: it holds on every machine
     plan = build_quantization(fp8_config, fp4_config, config.num_hidden_layers)
     config.layer_precision = plan.layer_precision
-    family.validate(config)
+    try:
+        family.validate(config)
+    except ValueError as error:
+        raise ConfigError(f"{error}: change model_config_overrides") from None
     return config, plan
+
+
+def check_quantized_gemm_shapes(config: PretrainedConfig) -> None:
+    """FP8/FP4 GEMMs need the hidden size and the FFN width to be multiples of 16 (TE asserts it on the first forward,
+    deep in a traceback). AMPLIFY's FFN width is intermediate_size * 2/3 rounded up to a multiple of 8, so a shape
+    that looks round can still miss: 1280 gives 856."""
+    ffn_width = getattr(config, "ffn_hidden_size", config.intermediate_size)  # AMPLIFY: SwiGLU width
+    dims = {"hidden_size": config.hidden_size, "FFN width": ffn_width}
+    bad = [f"{name} {value}" for name, value in dims.items() if value % 16]
+    if bad:
+        raise ConfigError(
+            f"FP8/FP4 layers need the hidden size and FFN width to be multiples of 16, got {', '.join(bad)} "
+            f"(intermediate_size {config.intermediate_size}): change model_config_overrides or turn fp8/fp4 off"
+        )
 
 
 def load_pretrained_state_dict(cfg: DictConfig) -> dict[str, torch.Tensor] | None:

@@ -201,3 +201,13 @@ def test_residues_outside_the_amplify_vocabulary_follow_the_policy():
         tokenizer(text)["input_ids"][1:-1]
         == tokenizer("MK")["input_ids"][1:-1] + [tokenizer.unk_token_id] + tokenizer("V")["input_ids"][1:-1]
     )
+
+
+def test_fp8_with_an_ffn_width_fp8_cannot_run_fails_before_training(tmp_path):
+    """intermediate_size 1280 gives AMPLIFY a SwiGLU width of 856, not a multiple of 16: TE would assert on the first
+    forward. The recipe says so up front, on any machine (the shape check comes before the hardware check)."""
+    result = run_script(
+        "train_ddp.py", "--config-name", "L0_sanity_amplify", f"output_dir={tmp_path}", "fp8_config.enabled=true",
+        "model_config_overrides.intermediate_size=1280", expect_failure=True,
+    )  # fmt: skip
+    assert_user_error(result, "multiples of 16", "FFN width 856", "intermediate_size 1280")

@@ -16,7 +16,7 @@ L0_AMPLIFY_SHAPE = [
     "+model_config_overrides.hidden_size=320",
     "+model_config_overrides.num_hidden_layers=6",
     "+model_config_overrides.num_attention_heads=20",
-    "+model_config_overrides.intermediate_size=1280",
+    "+model_config_overrides.intermediate_size=1248",
 ]
 
 
