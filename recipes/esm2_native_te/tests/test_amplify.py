@@ -15,6 +15,7 @@ from launch import RECIPE_DIR, assert_user_error, run_script
 from model_families import Amplify, Esm2, family_of
 from modeling_amplify_te import NVAmplifyConfig, NVAmplifyForMaskedLM
 from safetensors.torch import save_file
+from test_finetune import NO_LEARNING, assert_export_holds
 from test_train import (
     CONVERGE,
     FAST,
@@ -22,7 +23,6 @@ from test_train import (
     TINY_MODEL,
     assert_converged,
     assert_export_reproduces_checkpoint,
-    load_export,
     read_metrics,
     train,
 )
@@ -31,7 +31,6 @@ from user_errors import ConfigError
 
 
 AMPLIFY = "model_tag=model_configs/AMPLIFY_120M"
-NO_LEARNING = ["num_train_steps=2", "adamw_kwargs.lr=0.0", "logger.log_every=1", "checkpoint.save_every=0"]
 
 
 def amplify_tokenizer():
@@ -121,15 +120,6 @@ def published_checkpoint(tmp_path_factory):
     return path, state_dict, config
 
 
-def assert_export_holds(output_dir, expected: dict[str, torch.Tensor]) -> None:
-    exported_model = load_export(output_dir)
-    assert exported_model.config.architectures == ["NVAmplifyForMaskedLM"]  # not FSDP2's wrapper class
-    exported = exported_model.state_dict()
-    for key, value in expected.items():
-        if not key.endswith("_extra_state"):
-            assert torch.equal(exported[key], value), key
-
-
 @pytest.mark.parametrize(("script", "nproc"), [("train_ddp.py", None), ("train_fsdp2.py", 2)])
 def test_finetune_from_a_published_checkpoint_keeps_its_weights(tmp_path, published_checkpoint, script, nproc):
     """Converted on load; with lr=0 the export must hold the published weights exactly (FSDP2: loaded per shard)."""
@@ -140,7 +130,7 @@ def test_finetune_from_a_published_checkpoint_keeps_its_weights(tmp_path, publis
         nproc=nproc,
     )  # fmt: skip
     expected = convert_amplify_hf_to_te(state_dict, config, backend="torch").state_dict()
-    assert_export_holds(first, expected)
+    assert_export_holds(first, expected, "NVAmplifyForMaskedLM")
 
     # ... and the export is a model_tag in its turn (an NVAmplify directory, not the published layout).
     second = tmp_path / "from_export"
@@ -148,7 +138,7 @@ def test_finetune_from_a_published_checkpoint_keeps_its_weights(tmp_path, publis
         script, f"output_dir={second}", f"model_tag={first / 'final_model'}", "init_from_pretrained=true", *FAST,
         *NO_LEARNING, nproc=nproc,
     )  # fmt: skip
-    assert_export_holds(second, expected)
+    assert_export_holds(second, expected, "NVAmplifyForMaskedLM")
 
 
 def test_published_checkpoint_with_a_missing_weight_names_it(tmp_path, published_checkpoint):

@@ -37,8 +37,13 @@ def test_finetune_from_stock_checkpoint_keeps_its_weights(tmp_path, stock_checkp
         nproc=nproc,
     )  # fmt: skip
     expected = convert_esm_hf_to_te(hf_model, backend="torch").state_dict()
-    exported_model = load_export(tmp_path)
-    assert exported_model.config.architectures == ["NVEsmForMaskedLM"]  # not FSDP2's wrapper class
+    assert_export_holds(tmp_path, expected, "NVEsmForMaskedLM")
+
+
+def assert_export_holds(output_dir, expected: dict[str, torch.Tensor], architecture: str) -> None:
+    """The run's export has exactly the ``expected`` weights, under our class name (not FSDP2's wrapper class)."""
+    exported_model = load_export(output_dir)
+    assert exported_model.config.architectures == [architecture]
     exported = exported_model.state_dict()
     for key, value in expected.items():
         if not key.endswith("_extra_state"):
