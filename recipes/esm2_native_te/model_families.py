@@ -13,13 +13,11 @@ sit, which is all the rest of the recipe needs to know: :class:`ModelFamily` say
 tokenizer (``tokenizer_path: auto``).
 """
 
-import json
 import logging
-from pathlib import Path
 
 import torch
 from convert import convert_esm_hf_to_te, nv_config_from_hf
-from convert_amplify import convert_amplify_hf_to_te, nv_config_from_published
+from convert_amplify import convert_amplify_hf_to_te, load_published_checkpoint, nv_config_from_published
 from modeling_amplify_te import NVAmplifyConfig, NVAmplifyForMaskedLM
 from modeling_esm_te import NVEsmConfig, NVEsmForMaskedLM
 from omegaconf import DictConfig
@@ -40,9 +38,6 @@ class ModelFamily:
 
     def __init__(self, stock: bool):
         self.stock = stock
-
-    def __repr__(self) -> str:
-        return f"{type(self).__name__}(stock={self.stock})"
 
     def load_config(self, source: str, **overrides):
         """The NV config of ``source`` with ``overrides`` (names of its fields) applied."""
@@ -109,7 +104,10 @@ class Amplify(ModelFamily):
     def load_weights(self, source: str) -> NVAmplifyForMaskedLM:
         if not self.stock:
             return NVAmplifyForMaskedLM.from_pretrained(source, backend="torch", dtype=torch.float32)
-        state_dict, config = load_published_amplify(source)
+        try:
+            state_dict, config = load_published_checkpoint(source)
+        except FileNotFoundError as error:  # e.g. sharded weights, which the published checkpoints never are
+            raise PathNotFoundError(f"model_tag {source}: {error}") from None
         try:
             model = convert_amplify_hf_to_te(state_dict, config, backend="torch")
         except ValueError as error:  # missing or extra weights, named
@@ -154,25 +152,6 @@ def family_of(source: str) -> ModelFamily:
         f"model_tag {source} holds a {model_type!r} model, not ESM-2 ('esm') or AMPLIFY: point it at one of "
         "this recipe's model_configs/, an export of this recipe, or a stock ESM-2 / published AMPLIFY checkpoint"
     )
-
-
-def load_published_amplify(source: str) -> tuple[dict[str, torch.Tensor], dict]:
-    """(state dict, config.json) of a published AMPLIFY checkpoint: a local directory, or a Hub id (downloaded)."""
-    if recipe_path(source).exists():
-        directory = model_directory(source, weights=True)
-    else:
-        from huggingface_hub import snapshot_download
-
-        patterns = ["config.json", "model.safetensors", "pytorch_model.bin"]
-        directory = Path(snapshot_download(source, allow_patterns=patterns))
-    config = json.loads((directory / "config.json").read_text())
-    if (directory / "model.safetensors").is_file():
-        from safetensors.torch import load_file
-
-        return load_file(directory / "model.safetensors"), config
-    if (directory / "pytorch_model.bin").is_file():
-        return torch.load(directory / "pytorch_model.bin", map_location="cpu", weights_only=True), config
-    raise PathNotFoundError(f"model_tag {source} holds neither model.safetensors nor pytorch_model.bin")
 
 
 def load_tokenizer(cfg: DictConfig) -> PreTrainedTokenizerBase:

@@ -26,7 +26,7 @@ import torch.distributed as dist
 from distributed import Meshes
 from mixed_precision import computes_in_bf16, keeps_fp32_master_weights, mixed_precision_policy
 from model_families import ModelFamily, family_of, model_source
-from modeling_esm_te import resolve_backend
+from modeling_esm_te import resolve_backend  # the same function in both modeling files: is TE usable here?
 from omegaconf import DictConfig, OmegaConf
 from perf_logger import ModelFlops
 from quant_stats import QuantStats

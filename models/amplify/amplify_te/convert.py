@@ -18,9 +18,12 @@ the rows of Q and K are permuted inside every head from the published interleave
 (embedding and decoder rows, decoder bias). Everything else maps one to one, so a round trip is exact.
 """
 
+import json
 from collections.abc import Mapping
+from pathlib import Path
 
 import torch
+from safetensors.torch import load_file
 
 
 try:  # package import (models/amplify)
@@ -206,11 +209,38 @@ def convert_amplify_te_to_hf(model: NVAmplifyForMaskedLM) -> tuple[dict[str, tor
     return {k: v.contiguous().clone() for k, v in state.items()}, published_config_from_nv(config)
 
 
+# ------------------------------------------------------------------------------------------- published checkpoints
+
+
+def _local_checkpoint(source: str | Path) -> Path:
+    """A local directory, or a Hub id fetched (config and weights only) into the Hugging Face cache."""
+    if Path(source).exists():
+        return Path(source)
+    from huggingface_hub import snapshot_download
+
+    patterns = ["config.json", "model.safetensors", "pytorch_model.bin"]
+    return Path(snapshot_download(str(source), allow_patterns=patterns))
+
+
+def load_published_checkpoint(source: str | Path) -> tuple[dict[str, torch.Tensor], dict]:
+    """(state dict, config.json) of a published AMPLIFY checkpoint directory or Hub id."""
+    directory = _local_checkpoint(source)
+    config = json.loads((directory / "config.json").read_text())
+    if (directory / "model.safetensors").is_file():
+        state_dict = load_file(directory / "model.safetensors")
+    elif (directory / "pytorch_model.bin").is_file():
+        state_dict = torch.load(directory / "pytorch_model.bin", map_location="cpu", weights_only=True)
+    else:
+        raise FileNotFoundError(f"{directory} holds neither model.safetensors nor pytorch_model.bin")
+    return state_dict, config
+
+
 __all__ = [
     "convert_amplify_hf_to_te",
     "convert_amplify_te_to_hf",
     "half_split_to_interleaved",
     "interleaved_to_half_split",
+    "load_published_checkpoint",
     "nv_config_from_published",
     "published_config_from_nv",
 ]

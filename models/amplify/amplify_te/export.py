@@ -21,10 +21,10 @@ import logging
 from pathlib import Path
 
 import torch
-from safetensors.torch import load_file, save_file
+from safetensors.torch import save_file
 from transformers import AutoTokenizer
 
-from .convert import convert_amplify_hf_to_te, convert_amplify_te_to_hf
+from .convert import convert_amplify_hf_to_te, convert_amplify_te_to_hf, load_published_checkpoint
 from .hf_export import write_hf_directory
 from .modeling_amplify_te import NVAmplifyForMaskedLM
 
@@ -86,29 +86,6 @@ def save_nv_checkpoint(
         model_card=card,
         license_file=PACKAGE_DIR / "LICENSE",
     )
-
-
-def _local_checkpoint(source: str | Path) -> Path:
-    """A local directory, or a Hub id fetched (config and weights only) into the Hugging Face cache."""
-    if Path(source).exists():
-        return Path(source)
-    from huggingface_hub import snapshot_download
-
-    patterns = ["config.json", "model.safetensors", "pytorch_model.bin"]
-    return Path(snapshot_download(str(source), allow_patterns=patterns))
-
-
-def load_published_checkpoint(source: str | Path) -> tuple[dict[str, torch.Tensor], dict]:
-    """(state dict, config.json) of a published AMPLIFY checkpoint directory or Hub id."""
-    directory = _local_checkpoint(source)
-    config = json.loads((directory / "config.json").read_text())
-    if (directory / "model.safetensors").is_file():
-        state_dict = load_file(directory / "model.safetensors")
-    elif (directory / "pytorch_model.bin").is_file():
-        state_dict = torch.load(directory / "pytorch_model.bin", map_location="cpu", weights_only=True)
-    else:
-        raise FileNotFoundError(f"{directory} holds neither model.safetensors nor pytorch_model.bin")
-    return state_dict, config
 
 
 def export_hf_checkpoint(

@@ -9,7 +9,7 @@ import json
 
 import pytest
 import torch
-from convert_amplify import convert_amplify_hf_to_te, convert_amplify_te_to_hf
+from convert_amplify import convert_amplify_te_to_hf
 from dataset import KEPT, SKIP_INVALID, SequencePolicy
 from launch import RECIPE_DIR, assert_user_error, run_script
 from model_families import Amplify, Esm2, family_of
@@ -110,26 +110,31 @@ def published_checkpoint(tmp_path_factory):
     """A tiny AMPLIFY in the published layout (chandar-lab's keys and config.json), with random weights."""
     torch.manual_seed(5)
     model = NVAmplifyForMaskedLM(tiny_config())
+    vocab = model.config.vocab_size
     with torch.no_grad():
         model.decoder.bias.normal_()  # zero at init: make it something a wrong load could not reproduce
+        # The published layout has no vocabulary padding; conversion pads with zeros. Zero it here too, so the
+        # model's own weights are the reference for every row.
+        for padded in (model.amplify.embeddings.weight, model.decoder.weight, model.decoder.bias):
+            padded[vocab:] = 0
     state_dict, config = convert_amplify_te_to_hf(model)
     path = tmp_path_factory.mktemp("published") / "AMPLIFY_tiny"
     path.mkdir()
     save_file(state_dict, path / "model.safetensors")
     (path / "config.json").write_text(json.dumps(config))
-    return path, state_dict, config
+    # The weights as the NV model held them before the round trip through the published layout: the reference.
+    return path, state_dict, config, model.state_dict()
 
 
 @pytest.mark.parametrize(("script", "nproc"), [("train_ddp.py", None), ("train_fsdp2.py", 2)])
 def test_finetune_from_a_published_checkpoint_keeps_its_weights(tmp_path, published_checkpoint, script, nproc):
     """Converted on load; with lr=0 the export must hold the published weights exactly (FSDP2: loaded per shard)."""
-    path, state_dict, config = published_checkpoint
+    path, _, _, expected = published_checkpoint
     first = tmp_path / "from_published"
     run_script(
         script, f"output_dir={first}", f"model_tag={path}", "init_from_pretrained=true", *FAST, *NO_LEARNING,
         nproc=nproc,
     )  # fmt: skip
-    expected = convert_amplify_hf_to_te(state_dict, config, backend="torch").state_dict()
     assert_export_holds(first, expected, "NVAmplifyForMaskedLM")
 
     # ... and the export is a model_tag in its turn (an NVAmplify directory, not the published layout).
@@ -142,7 +147,7 @@ def test_finetune_from_a_published_checkpoint_keeps_its_weights(tmp_path, publis
 
 
 def test_published_checkpoint_with_a_missing_weight_names_it(tmp_path, published_checkpoint):
-    path, state_dict, config = published_checkpoint
+    _, state_dict, config, _ = published_checkpoint
     broken = tmp_path / "broken"
     broken.mkdir()
     save_file(
@@ -187,10 +192,7 @@ def test_residues_outside_the_amplify_vocabulary_follow_the_policy():
     assert clean("skip")[1] == SKIP_INVALID
     text, code, replaced, _ = clean("replace_unk")
     assert (code, replaced) == (KEPT, 1)
-    assert (
-        tokenizer(text)["input_ids"][1:-1]
-        == tokenizer("MK")["input_ids"][1:-1] + [tokenizer.unk_token_id] + tokenizer("V")["input_ids"][1:-1]
-    )
+    assert tokenizer(text)["input_ids"] == tokenizer.convert_tokens_to_ids(["<bos>", "M", "K", "<unk>", "V", "<eos>"])
 
 
 def test_fp8_with_an_ffn_width_fp8_cannot_run_fails_before_training(tmp_path):
