@@ -1,3 +1,4 @@
+# Copied from common/protein/collator.py — edit the source, then run ci/check_copies.py --fix
 """Masked-LM masking and batch collation for ESM-2 and AMPLIFY pre-training: mask, then pad (BSHD) or pack (THD),
 padded for CP.
 

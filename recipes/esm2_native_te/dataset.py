@@ -1,3 +1,4 @@
+# Copied from common/protein/dataset.py — edit the source, then run ci/check_copies.py --fix
 """Protein sequences for ESM-2 and AMPLIFY masked-LM pre-training: read, validate, tokenize, split per data-parallel
 rank, then mask and collate (collator.py: pad or pack, padded for context parallelism).
 

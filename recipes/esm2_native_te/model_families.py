@@ -1,3 +1,4 @@
+# Copied from common/protein/model_families.py — edit the source, then run ci/check_copies.py --fix
 """The two protein language models this recipe trains, ESM-2 and AMPLIFY, and how to tell which one a model is.
 
 ``model_tag``'s config.json decides, so the same entrypoints and Hydra configs train either:
@@ -10,7 +11,8 @@
 Both NV models take the same batches (BSHD or THD, labels for masked-LM) and have the same training-time hooks
 (``init_empty_weights``, ``set_context_parallel_group`` on the encoder). They differ in where the encoder and its layers
 sit, which is all the rest of the recipe needs to know: :class:`ModelFamily` says it, and picks each family's
-tokenizer (``tokenizer_path: auto``).
+tokenizer (``tokenizer_path: auto``). ``load_model_config`` and ``load_pretrained_state_dict`` turn a run's config
+(``model_tag``, ``model_config_overrides``, ``init_from_pretrained``) into the model config and weights to train.
 """
 
 import logging
@@ -20,7 +22,8 @@ from convert import convert_esm_hf_to_te, nv_config_from_hf
 from convert_amplify import convert_amplify_hf_to_te, load_published_checkpoint, nv_config_from_published
 from modeling_amplify_te import NVAmplifyConfig, NVAmplifyForMaskedLM
 from modeling_esm_te import NVEsmConfig, NVEsmForMaskedLM
-from omegaconf import DictConfig
+from omegaconf import DictConfig, OmegaConf
+from quantization import QuantizationPlan, build_quantization
 from recipe_paths import looks_like_hub_id, model_directory, recipe_path, tokenizer_source
 from transformers import AutoTokenizer, EsmConfig, EsmForMaskedLM, PretrainedConfig, PreTrainedTokenizerBase
 from user_errors import ConfigError, PathNotFoundError
@@ -181,3 +184,55 @@ def load_tokenizer(cfg: DictConfig) -> PreTrainedTokenizerBase:
         )
     logger.info("Tokenizer: %s (%d tokens) for %s", path, len(tokenizer), family.name)
     return tokenizer
+
+
+PRETRAINED_MISMATCH = (
+    "the model_tag weights do not fit this model: drop the model_config_overrides that change its shape"
+)
+
+
+def load_model_config(cfg: DictConfig, fp8_config, fp4_config) -> tuple[PretrainedConfig, QuantizationPlan]:
+    """config.json from ``model_tag``, this run's overrides, and the per-layer FP8/FP4 plan the model needs
+    (``fp8_config``/``fp4_config``: the mappings ``quantization.build_quantization`` reads)."""
+    source = model_source(cfg)
+    family = family_of(source)
+    overrides = OmegaConf.to_container(cfg.model_config_overrides)
+    unknown = sorted(set(overrides) - set(family.load_config(source).to_dict()))
+    if unknown:
+        raise ConfigError(
+            f"model_config_overrides has keys {unknown} that {source}/config.json does not have; check their spelling"
+        )
+    config = family.load_config(source, **overrides)
+    if fp8_config["enabled"] or fp4_config["enabled"]:
+        check_quantized_gemm_shapes(config)  # a shape problem first: it holds on every machine
+    plan = build_quantization(fp8_config, fp4_config, config.num_hidden_layers)
+    config.layer_precision = plan.layer_precision
+    try:
+        family.validate(config)
+    except ValueError as error:
+        raise ConfigError(f"{error}: change model_config_overrides") from None
+    return config, plan
+
+
+def check_quantized_gemm_shapes(config: PretrainedConfig) -> None:
+    """FP8/FP4 GEMMs need the hidden size and the FFN width to be multiples of 16 (TE asserts it on the first forward,
+    deep in a traceback). AMPLIFY's FFN width is intermediate_size * 2/3 rounded up to a multiple of 8, so a shape
+    that looks round can still miss: 1280 gives 856."""
+    ffn_width = getattr(config, "ffn_hidden_size", config.intermediate_size)  # AMPLIFY: SwiGLU width
+    dims = {"hidden_size": config.hidden_size, "FFN width": ffn_width}
+    bad = [f"{name} {value}" for name, value in dims.items() if value % 16]
+    if bad:
+        raise ConfigError(
+            f"FP8/FP4 layers need the hidden size and FFN width to be multiples of 16, got {', '.join(bad)} "
+            f"(intermediate_size {config.intermediate_size}): change model_config_overrides or turn fp8/fp4 off"
+        )
+
+
+def load_pretrained_state_dict(cfg: DictConfig) -> dict[str, torch.Tensor] | None:
+    """Full (CPU, float32) weights from ``model_tag`` when ``init_from_pretrained`` is set, else None."""
+    if not cfg.init_from_pretrained:
+        return None
+    source = model_source(cfg)
+    model = family_of(source).load_weights(source)
+    logger.info("Fine-tuning from the weights in %s", source)
+    return {k: v for k, v in model.state_dict().items() if not k.endswith("_extra_state")}

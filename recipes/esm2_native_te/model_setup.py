@@ -25,12 +25,19 @@ import torch
 import torch.distributed as dist
 from distributed import Meshes
 from mixed_precision import computes_in_bf16, keeps_fp32_master_weights, mixed_precision_policy
-from model_families import ModelFamily, family_of, model_source
+from model_families import (
+    PRETRAINED_MISMATCH,
+    ModelFamily,
+    family_of,
+    load_model_config,
+    load_pretrained_state_dict,
+    model_source,
+)
 from modeling_esm_te import resolve_backend  # the same function in both modeling files: is TE usable here?
 from omegaconf import DictConfig, OmegaConf
 from perf_logger import ModelFlops
 from quant_stats import QuantStats
-from quantization import QuantizationPlan, build_quantization, check_quantization_supported
+from quantization import QuantizationPlan, check_quantization_supported
 from torch.distributed.checkpoint.state_dict import StateDictOptions, set_model_state_dict
 from torch.distributed.fsdp import fully_shard
 from torch.distributed.tensor import DTensor
@@ -43,9 +50,6 @@ from weight_conversion import load_state_dict_exactly
 logger = logging.getLogger(__name__)
 
 STRATEGIES = ("ddp", "fsdp2", "mfsdp")
-PRETRAINED_MISMATCH = (
-    "the model_tag weights do not fit this model: drop the model_config_overrides that change its shape"
-)
 
 
 @dataclass
@@ -76,53 +80,6 @@ class BuiltModel:
         if self.strategy == "mfsdp":
             return self.model.no_sync()
         return self.ddp.no_sync() if self.ddp is not None else contextlib.nullcontext()
-
-
-def load_model_config(cfg: DictConfig) -> tuple[PretrainedConfig, QuantizationPlan]:
-    """config.json from ``model_tag``, this run's overrides, and the per-layer FP8/FP4 plan the model needs."""
-    source = model_source(cfg)
-    family = family_of(source)
-    overrides = OmegaConf.to_container(cfg.model_config_overrides)
-    unknown = sorted(set(overrides) - set(family.load_config(source).to_dict()))
-    if unknown:
-        raise ConfigError(
-            f"model_config_overrides has keys {unknown} that {source}/config.json does not have; check their spelling"
-        )
-    config = family.load_config(source, **overrides)
-    fp8_config, fp4_config = OmegaConf.to_container(cfg.fp8_config), OmegaConf.to_container(cfg.fp4_config)
-    if fp8_config["enabled"] or fp4_config["enabled"]:
-        check_quantized_gemm_shapes(config)  # a shape problem first: it holds on every machine
-    plan = build_quantization(fp8_config, fp4_config, config.num_hidden_layers)
-    config.layer_precision = plan.layer_precision
-    try:
-        family.validate(config)
-    except ValueError as error:
-        raise ConfigError(f"{error}: change model_config_overrides") from None
-    return config, plan
-
-
-def check_quantized_gemm_shapes(config: PretrainedConfig) -> None:
-    """FP8/FP4 GEMMs need the hidden size and the FFN width to be multiples of 16 (TE asserts it on the first forward,
-    deep in a traceback). AMPLIFY's FFN width is intermediate_size * 2/3 rounded up to a multiple of 8, so a shape
-    that looks round can still miss: 1280 gives 856."""
-    ffn_width = getattr(config, "ffn_hidden_size", config.intermediate_size)  # AMPLIFY: SwiGLU width
-    dims = {"hidden_size": config.hidden_size, "FFN width": ffn_width}
-    bad = [f"{name} {value}" for name, value in dims.items() if value % 16]
-    if bad:
-        raise ConfigError(
-            f"FP8/FP4 layers need the hidden size and FFN width to be multiples of 16, got {', '.join(bad)} "
-            f"(intermediate_size {config.intermediate_size}): change model_config_overrides or turn fp8/fp4 off"
-        )
-
-
-def load_pretrained_state_dict(cfg: DictConfig) -> dict[str, torch.Tensor] | None:
-    """Full (CPU, float32) weights from ``model_tag`` when ``init_from_pretrained`` is set, else None."""
-    if not cfg.init_from_pretrained:
-        return None
-    source = model_source(cfg)
-    model = family_of(source).load_weights(source)
-    logger.info("Fine-tuning from the weights in %s", source)
-    return {k: v for k, v in model.state_dict().items() if not k.endswith("_extra_state")}
 
 
 def apply_pretrained_weights(model: torch.nn.Module, state: dict[str, torch.Tensor] | None) -> None:
@@ -160,7 +117,9 @@ def build_model(
     if strategy not in STRATEGIES:
         raise ValueError(f"strategy must be one of {STRATEGIES}, got {strategy!r}")
     family = family_of(model_source(cfg))
-    config, plan = load_model_config(cfg)
+    config, plan = load_model_config(
+        cfg, OmegaConf.to_container(cfg.fp8_config), OmegaConf.to_container(cfg.fp4_config)
+    )
     check_quantization_supported(plan, device)  # FP8/FP4 on a machine that cannot run it fails here
     try:
         resolve_backend(config.backend)  # backend=te on a machine without TE or a GPU fails here, in one line

@@ -1,3 +1,4 @@
+# Copied from common/protein/scripts/make_sanity_dataset.py — edit the source, then run ci/check_copies.py --fix
 """Generate the small synthetic protein set the L0 sanity runs train on (no download, fixed seed).
 
     python scripts/make_sanity_dataset.py [--output-dir data]

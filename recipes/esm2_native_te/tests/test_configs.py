@@ -68,9 +68,9 @@ def test_benchmarks_ask_for_their_data(name):
 
 def test_keep_first_last_bf16_reaches_the_quantization_plan():
     """The key defaults.yaml documents is read by the plan: set without FP8 enabled, it is refused by name."""
-    from model_setup import load_model_config
+    from model_families import load_model_config
 
     assert _compose("L0_sanity", ["output_dir=unused"]).fp8_config.keep_first_last_bf16 == 0
     cfg = _compose("L0_sanity", ["fp8_config.keep_first_last_bf16=1", "output_dir=unused"])
     with pytest.raises(ValueError, match="keep_first_last_bf16 is set but fp8_config.enabled is false"):
-        load_model_config(cfg)
+        load_model_config(cfg, cfg.fp8_config, cfg.fp4_config)
