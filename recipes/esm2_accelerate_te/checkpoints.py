@@ -1,0 +1,113 @@
+"""The Trainer's ``checkpoint-<step>`` directories, made safe to resume from.
+
+The Trainer writes a checkpoint (weights, optimizer, scheduler, RNG states, trainer_state.json) straight into
+``output_dir/checkpoint-<step>``; a job killed half-way leaves a directory that looks like any other. And it does not
+save the position of this recipe's dataloader. So, after the Trainer's save (``DataPositionCallback.on_save``):
+
+1. every process writes its dataloader's ``state_dict`` to ``data_position/rank<r>.pt`` (written to a temporary
+   name, then renamed);
+2. once all have, rank 0 writes the ``COMPLETE`` marker;
+3. only then are older checkpoints pruned (``max_checkpoints`` complete ones are kept; the Trainer's own
+   ``save_total_limit`` is not used, because it deletes before the new checkpoint is complete).
+
+A resumed run starts from the newest directory with the marker, and its dataloader continues at the batch after the
+last one that checkpoint trained on.
+"""
+
+import logging
+import os
+import re
+import shutil
+from pathlib import Path
+
+import torch
+from user_errors import ConfigError
+
+
+logger = logging.getLogger(__name__)
+
+MARKER = "COMPLETE"
+DATA_POSITION_DIR = "data_position"
+_STEP_DIR = re.compile(r"^checkpoint-(\d+)$")
+
+
+def _checkpoint_dirs(output_dir: str | Path) -> list[tuple[int, Path]]:
+    """(step, path) of every ``checkpoint-<step>`` directory, oldest first."""
+    output_dir = Path(output_dir)
+    if not output_dir.is_dir():
+        return []
+    found = [(int(m.group(1)), p) for p in output_dir.iterdir() if p.is_dir() and (m := _STEP_DIR.match(p.name))]
+    return sorted(found)
+
+
+def complete_checkpoints(output_dir: str | Path) -> list[tuple[int, Path]]:
+    return [(step, path) for step, path in _checkpoint_dirs(output_dir) if (path / MARKER).is_file()]
+
+
+def find_resume_checkpoint(output_dir: str | Path) -> Path | None:
+    """The newest complete checkpoint, or None. Incomplete newer ones (a killed save) are named in the log."""
+    complete = complete_checkpoints(output_dir)
+    newest = complete[-1] if complete else None
+    for step, path in _checkpoint_dirs(output_dir):
+        if newest is None or step > newest[0]:
+            logger.warning("Ignoring %s: its save did not finish (no %s marker)", path, MARKER)
+    return newest[1] if newest else None
+
+
+def resume_checkpoint(resume: bool, resume_from: str | None, output_dir: str | Path) -> Path | None:
+    """The checkpoint a launch continues from, like the Trainer's ``resume_from_checkpoint``: ``resume_from`` (a
+    ``checkpoint-<step>`` path, which must exist and be complete) if given, else with ``resume`` the newest complete
+    checkpoint in output_dir (None if there is none yet), else None."""
+    if resume_from is None:
+        return find_resume_checkpoint(output_dir) if resume else None
+    path = Path(resume_from)
+    if not path.is_dir() or not _STEP_DIR.match(path.name):
+        raise ConfigError(f"checkpoint.resume_from={resume_from}: not a checkpoint-<step> directory")
+    if not (path / MARKER).is_file():
+        raise ConfigError(f"checkpoint.resume_from={resume_from}: its save did not finish (no {MARKER} marker)")
+    return path
+
+
+def data_position_file(checkpoint: Path, rank: int) -> Path:
+    return checkpoint / DATA_POSITION_DIR / f"rank{rank}.pt"
+
+
+def save_data_position(checkpoint: Path, rank: int, state: dict) -> None:
+    path = data_position_file(checkpoint, rank)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    partial = path.with_name(path.name + ".partial")
+    torch.save(state, partial)
+    os.replace(partial, path)
+
+
+def load_data_position(checkpoint: Path, rank: int, world_size: int) -> dict:
+    path = data_position_file(checkpoint, rank)
+    if not path.is_file():
+        saved = len(list((checkpoint / DATA_POSITION_DIR).glob("rank*.pt")))
+        raise ConfigError(
+            f"{checkpoint} was written by {saved} processes and cannot continue on {world_size}: launch with "
+            f"--num_processes {saved}, or start afresh with checkpoint.resume=false (or another output_dir)"
+        )
+    return torch.load(path, weights_only=False)
+
+
+def mark_complete(checkpoint: Path) -> None:
+    (checkpoint / MARKER).write_text("every process saved its part of this checkpoint\n")
+
+
+def prune_checkpoints(output_dir: str | Path, keep: int | None) -> list[Path]:
+    """Delete all but the newest ``keep`` complete checkpoints, and incomplete ones older than the newest complete
+    one (they can never be resumed). Returns what was deleted."""
+    complete = complete_checkpoints(output_dir)
+    if not complete:
+        return []
+    newest_step = complete[-1][0]
+    doomed = [path for _, path in complete[: -keep or None]] if keep else []
+    doomed += [
+        path for step, path in _checkpoint_dirs(output_dir) if step < newest_step and not (path / MARKER).exists()
+    ]
+    for path in doomed:
+        shutil.rmtree(path, ignore_errors=True)
+    if doomed:
+        logger.info("Removed old checkpoints: %s", ", ".join(p.name for p in doomed))
+    return doomed

@@ -1,0 +1,86 @@
+"""The Hugging Face ``Trainer``, told what it cannot know about this recipe: where the batches come from, the
+learning-rate schedule, and the masked-LM loss over several micro-batches.
+
+- Batches: ``dataset.create_dataloader`` (the same data handling as recipes/esm2_native_te) already reads a
+  different share of the data on each process, packs THD batches and resumes exactly from its ``state_dict``. The
+  Trainer gets it as it is (``get_train_dataloader``): handing it to ``accelerator.prepare`` would shard it a second
+  time. The loader never ends; ``max_steps`` ends the run.
+- Schedule: scheduler.py's warmup then linear decay to a floor (``create_scheduler``), as the native recipe.
+- Loss: :func:`masked_lm_loss`, the Trainer's ``compute_loss_func``: the summed cross-entropy of a micro-batch over
+  the masked tokens of the whole optimizer step (all micro-batches, all processes), so ``grad_acc_steps`` micro-batches
+  give the gradient of one batch holding all of them, whatever number of tokens the masking picked in each.
+"""
+
+import torch
+import torch.nn.functional as F
+from perf_logger import PerfLogger
+from scheduler import get_linear_schedule_with_warmup
+from transformers import Trainer
+
+
+IGNORE_INDEX = -100
+
+
+def masked_lm_loss(
+    outputs, labels: torch.Tensor, num_items_in_batch: torch.Tensor | int | None = None
+) -> torch.Tensor:
+    """Cross-entropy summed over the labelled tokens, divided by ``num_items_in_batch`` (the Trainer's count of
+    labelled tokens in the optimizer step) or, without it, by this batch's own count."""
+    logits = outputs["logits"] if isinstance(outputs, dict) else outputs.logits
+    loss_sum = F.cross_entropy(
+        logits.reshape(-1, logits.shape[-1]).float(), labels.reshape(-1), ignore_index=IGNORE_INDEX, reduction="sum"
+    )
+    if num_items_in_batch is None:
+        num_items_in_batch = (labels != IGNORE_INDEX).sum().clamp(min=1)
+    return loss_sum / num_items_in_batch
+
+
+class MaskedLMTrainer(Trainer):
+    """``Trainer`` over this recipe's endless, resumable dataloader, with its schedule and per-step perf counters.
+
+    Args:
+        train_dataloader: from ``dataset.create_dataloader`` for this process's data-parallel rank.
+        lr_scheduler_kwargs: ``num_warmup_steps``, ``num_decay_steps``, ``min_lr_ratio`` (scheduler.py).
+        perf: counts each micro-batch's tokens and the step's loss; ``PerfCallback`` logs them.
+    """
+
+    def __init__(self, *args, train_dataloader, lr_scheduler_kwargs: dict, perf: PerfLogger, **kwargs):
+        super().__init__(*args, compute_loss_func=masked_lm_loss, **kwargs)
+        self.recipe_dataloader = train_dataloader
+        self.recipe_lr_scheduler_kwargs = dict(lr_scheduler_kwargs)
+        self.perf = perf
+        self.step_loss: torch.Tensor | None = None  # this optimizer step's loss so far, on the device
+
+    def get_train_dataloader(self):
+        return self.recipe_dataloader
+
+    def create_scheduler(self, num_training_steps: int, optimizer: torch.optim.Optimizer | None = None):
+        if self.lr_scheduler is None:
+            self.lr_scheduler = get_linear_schedule_with_warmup(
+                optimizer or self.optimizer, **self.recipe_lr_scheduler_kwargs
+            )
+        return self.lr_scheduler
+
+    def training_step(self, model, inputs, num_items_in_batch=None):
+        inputs = self._prepare_inputs(inputs)  # on the device, so that the token counters are too
+        self.perf.count_batch(inputs)
+        loss = super().training_step(model, inputs, num_items_in_batch)
+        self.step_loss = loss if self.step_loss is None else self.step_loss + loss
+        return loss
+
+    def _load_optimizer_and_scheduler(self, checkpoint):
+        # A multi-process CPU run's device is "cpu:<rank>" (accelerate), which transformers passes to torch.load as
+        # map_location, and torch.load knows only "cpu": resuming would fail. Restore onto the plain CPU device.
+        device = self.args.device
+        if device.type != "cpu" or device.index is None:
+            return super()._load_optimizer_and_scheduler(checkpoint)
+        self.args.__dict__["_setup_devices"] = torch.device("cpu")  # TrainingArguments caches its device here
+        try:
+            return super()._load_optimizer_and_scheduler(checkpoint)
+        finally:
+            self.args.__dict__["_setup_devices"] = device
+
+    def take_step_loss(self) -> torch.Tensor:
+        """This step's loss (its share of the global token mean on this process), and a fresh start for the next."""
+        loss, self.step_loss = self.step_loss, None
+        return loss

@@ -1,0 +1,491 @@
+# Copied from models/esm2/esm2_te/modeling_esm_te.py — edit the source, then run ci/check_copies.py --fix
+"""ESM-2 with TransformerEngine layers, Hugging Face compatible, that also runs without TE.
+
+The architecture is Hugging Face's ``EsmForMaskedLM`` for ESM-2 (pre-LayerNorm encoder, rotary embeddings,
+GELU MLP, token dropout with ESM's rescaling, final LayerNorm, tied LM head). Two backends build it with the
+same parameter names and state-dict keys:
+
+* ``te``: ``transformer_engine.pytorch.TransformerLayer`` (fused QKV, fused attention, FP8/FP4 recipes);
+* ``torch``: the pure-PyTorch twins in ``torch_layers.py``, used on CPUs and wherever TE is missing.
+
+``config.backend`` chooses: ``auto`` (TE when it imports and CUDA is available), ``te`` or ``torch``.
+
+Inputs come as BSHD (``input_ids`` [batch, seq] + ``attention_mask``) or THD (packed ``input_ids`` [1, tokens]
+with ``cu_seq_lens_q/k`` and ``max_length_q/k``, Hugging Face's names for flash-attention style packing). The
+encoder always runs on packed tokens: BSHD input is unpadded on the way in and re-padded on the way out, so no
+compute is spent on padding and no token attends across a sequence boundary.
+
+This file is self-contained apart from ``torch_layers.py``, ``packing.py`` and ``meta_init.py`` beside it, so the four
+can be copied into a recipe and shipped inside an exported checkpoint (``trust_remote_code=True``).
+"""
+
+import contextlib
+import math
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+from transformers import EsmConfig, PreTrainedModel
+from transformers.modeling_outputs import BaseModelOutput, MaskedLMOutput, TokenClassifierOutput
+
+
+try:  # package import (models/esm2, exported checkpoints)
+    from .meta_init import materialize_meta_model
+    from .packing import PackedBatch, pack_inputs, token_mean_loss
+    from .torch_layers import TransformerLayer as TorchTransformerLayer
+except ImportError:  # flat copy inside a recipe folder
+    from meta_init import materialize_meta_model
+    from packing import PackedBatch, pack_inputs, token_mean_loss
+    from torch_layers import TransformerLayer as TorchTransformerLayer
+
+try:
+    import transformer_engine.pytorch as te
+
+    _TE_IMPORT_ERROR = None
+except Exception as error:  # ImportError, or a broken CUDA install raising at import
+    te = None
+    _TE_IMPORT_ERROR = error
+
+
+AUTO_MAP = {
+    "AutoConfig": "modeling_esm_te.NVEsmConfig",
+    "AutoModel": "modeling_esm_te.NVEsmModel",
+    "AutoModelForMaskedLM": "modeling_esm_te.NVEsmForMaskedLM",
+    "AutoModelForTokenClassification": "modeling_esm_te.NVEsmForTokenClassification",
+}
+
+BACKENDS = ("auto", "te", "torch")
+LAYER_PRECISIONS = (None, "fp8", "fp4")
+# ESM was trained masking 15% of tokens, 80% of those with <mask>; token dropout rescales by this ratio.
+_MASK_RATIO_TRAIN = 0.15 * 0.8
+
+
+class NVEsmConfig(EsmConfig):
+    """``EsmConfig`` plus the backend, vocabulary padding and per-layer precision. Defaults are ESM-2's."""
+
+    # The stock model type, so that a plain ``AutoTokenizer.from_pretrained(export)`` (which reads config.json)
+    # finds a config class without running custom code and never asks to. Our classes load through ``auto_map``
+    # with ``trust_remote_code=True``; the exported ``architectures`` (NVEsm...) tell the two layouts apart.
+    model_type = "esm"
+
+    vocab_size: int | None = 33
+    mask_token_id: int | None = 32
+    pad_token_id: int | None = 1
+    hidden_dropout_prob: float | None = 0.0
+    attention_probs_dropout_prob: float | None = 0.0
+    layer_norm_eps: float | None = 1e-5
+    position_embedding_type: str | None = "rotary"
+    emb_layer_norm_before: bool | None = False
+    token_dropout: bool | None = True
+    # "auto" | "te" | "torch"; see module docstring.
+    backend: str = "auto"
+    # Embedding/LM-head rows, rounded up so the vocabulary GEMM is well aligned. None: vocab_size rounded to 64.
+    padded_vocab_size: int | None = None
+    # One entry per layer: None (bf16/fp32), "fp8" or "fp4"; the matching TE recipe is passed to the model.
+    layer_precision: list | None = None
+
+    def __post_init__(self, **kwargs):
+        super().__post_init__(**kwargs)
+        if self.padded_vocab_size is None and self.vocab_size is not None:
+            self.padded_vocab_size = 64 * math.ceil(self.vocab_size / 64)
+        self.validate_nv_esm()
+
+    def validate_nv_esm(self) -> None:
+        """Raise ``ValueError`` naming the first setting this implementation cannot honour."""
+        problems = []
+        if self.backend not in BACKENDS:
+            problems.append(f"backend must be one of {BACKENDS}, got {self.backend!r}")
+        if self.position_embedding_type != "rotary":
+            problems.append(
+                f"only position_embedding_type='rotary' (ESM-2) is supported, got {self.position_embedding_type!r}"
+            )
+        if self.emb_layer_norm_before:
+            problems.append("emb_layer_norm_before=True (ESM-1b) is not supported")
+        if self.is_decoder or self.add_cross_attention:
+            problems.append("ESM-2 is an encoder: is_decoder and add_cross_attention must be False")
+        if self.hidden_size % self.num_attention_heads:
+            problems.append(
+                f"hidden_size ({self.hidden_size}) must be divisible by num_attention_heads ({self.num_attention_heads})"
+            )
+        if self.vocab_size is None or self.vocab_size <= 0:
+            problems.append(f"vocab_size must be positive, got {self.vocab_size!r}")
+        elif self.padded_vocab_size < self.vocab_size:
+            problems.append(f"padded_vocab_size ({self.padded_vocab_size}) < vocab_size ({self.vocab_size})")
+        if self.token_dropout and self.mask_token_id is None:
+            problems.append("token_dropout needs mask_token_id")
+        if self.layer_precision is not None:
+            if len(self.layer_precision) != self.num_hidden_layers:
+                problems.append(
+                    f"layer_precision has {len(self.layer_precision)} entries for {self.num_hidden_layers} layers"
+                )
+            bad = sorted({str(p) for p in self.layer_precision if p not in LAYER_PRECISIONS})
+            if bad:
+                problems.append(f"layer_precision entries must be None, 'fp8' or 'fp4', got {bad}")
+        if problems:
+            raise ValueError("Invalid NVEsmConfig: " + "; ".join(problems))
+
+
+def resolve_backend(requested: str) -> str:
+    """Map ``auto`` to a concrete backend; refuse ``te`` where it cannot run."""
+    te_usable = _TE_IMPORT_ERROR is None and torch.cuda.is_available()
+    if requested == "te" and not te_usable:
+        reason = f"TransformerEngine failed to import ({_TE_IMPORT_ERROR!r})" if te is None else "no CUDA device"
+        raise RuntimeError(f"backend='te' was requested but cannot run here: {reason}. Use backend='torch' or 'auto'.")
+    if requested == "auto":
+        return "te" if te_usable else "torch"
+    return requested
+
+
+class NVEsmRotaryEmbedding(nn.Module):
+    """Rotary frequencies as TE expects them: [seq, 1, 1, head_dim] in float32 (ESM's cat(freqs, freqs) layout)."""
+
+    def __init__(self, head_dim: int, base: float = 10000.0):
+        super().__init__()
+        self.head_dim = head_dim
+        self.base = base
+        self.register_buffer("inv_freq", self._inv_freq(), persistent=False)
+
+    def _inv_freq(self, device=None) -> torch.Tensor:
+        exponents = torch.arange(0, self.head_dim, 2, dtype=torch.float32, device=device) / self.head_dim
+        return 1.0 / (self.base**exponents)
+
+    def reset_parameters(self) -> None:
+        self.inv_freq = self._inv_freq(self.inv_freq.device)
+
+    def forward(self, max_seqlen: int) -> torch.Tensor:
+        positions = torch.arange(max_seqlen, device=self.inv_freq.device, dtype=torch.float32)
+        freqs = torch.outer(positions, self.inv_freq)
+        return torch.cat((freqs, freqs), dim=-1).view(max_seqlen, 1, 1, self.head_dim)
+
+
+class NVEsmEmbeddings(nn.Module):
+    def __init__(self, config: NVEsmConfig):
+        super().__init__()
+        self.word_embeddings = nn.Embedding(
+            config.padded_vocab_size, config.hidden_size, padding_idx=config.pad_token_id
+        )
+        self.token_dropout = config.token_dropout
+        self.mask_token_id = config.mask_token_id
+
+    def forward(self, packed: PackedBatch) -> torch.Tensor:
+        embeddings = self.word_embeddings(packed.input_ids)
+        if not self.token_dropout:
+            return embeddings
+        # Masked tokens are zeroed and every sequence is rescaled by (1 - train mask ratio) / (1 - its own ratio),
+        # as in ESM; the ratio is per sequence, so it is computed per packed segment (and, under context
+        # parallelism, summed over the ranks that each hold a share of the sequence).
+        is_mask = packed.input_ids == self.mask_token_id
+        embeddings = embeddings.masked_fill(is_mask.unsqueeze(-1), 0.0)
+        local_lengths = packed.local_segment_lengths()
+        sequence_of_token = torch.repeat_interleave(
+            torch.arange(local_lengths.numel(), device=local_lengths.device),
+            local_lengths,
+            output_size=packed.input_ids.numel(),
+        )
+        masked_per_sequence = torch.zeros(local_lengths.numel(), device=embeddings.device).index_add_(
+            0, sequence_of_token, is_mask.float()
+        )
+        if packed.cp_group is not None:
+            torch.distributed.all_reduce(masked_per_sequence, group=packed.cp_group)
+        lengths = packed.cu_seqlens[1:] - packed.cu_seqlens[:-1]
+        observed_ratio = masked_per_sequence / lengths.clamp(min=1)
+        scale = (1 - _MASK_RATIO_TRAIN) / (1 - observed_ratio)
+        return (embeddings * scale[sequence_of_token].unsqueeze(-1)).to(embeddings.dtype)
+
+
+class NVEsmEncoder(nn.Module):
+    def __init__(self, config: NVEsmConfig, backend: str):
+        super().__init__()
+        self.backend = backend
+        layer_class = te.TransformerLayer if backend == "te" else TorchTransformerLayer
+        head_dim = config.hidden_size // config.num_attention_heads
+        std = config.initializer_range
+
+        def init_method(weight: torch.Tensor) -> None:
+            nn.init.normal_(weight, mean=0.0, std=std)
+
+        device_kwargs = {}
+        if backend == "te":  # TE allocates on CUDA unless told otherwise; honour a meta-device context
+            device_kwargs["device"] = "meta" if torch.empty(0).device.type == "meta" else "cuda"
+        self.layers = nn.ModuleList(
+            layer_class(
+                hidden_size=config.hidden_size,
+                ffn_hidden_size=config.intermediate_size,
+                num_attention_heads=config.num_attention_heads,
+                kv_channels=head_dim,
+                layernorm_epsilon=config.layer_norm_eps,
+                hidden_dropout=config.hidden_dropout_prob,
+                attention_dropout=config.attention_probs_dropout_prob,
+                init_method=init_method,
+                output_layer_init_method=init_method,
+                layer_number=index + 1,
+                self_attn_mask_type="padding",
+                layer_type="encoder",
+                normalization="LayerNorm",
+                activation="gelu",
+                bias=True,
+                fuse_qkv_params=True,
+                qkv_weight_interleaved=True,
+                attn_input_format="thd",
+                params_dtype=config.dtype if isinstance(config.dtype, torch.dtype) else torch.float32,
+                **device_kwargs,
+            )
+            for index in range(config.num_hidden_layers)
+        )
+        self.emb_layer_norm_after = nn.LayerNorm(config.hidden_size, eps=config.layer_norm_eps)
+        self.rotary_embeddings = NVEsmRotaryEmbedding(head_dim, config.rope_theta)
+
+
+def _is_backend_layer(module: nn.Module) -> bool:
+    """A TE or torch_layers module that owns parameters and knows how to initialise them."""
+    origin = type(module).__module__
+    return (
+        hasattr(module, "reset_parameters")
+        and (origin.startswith("transformer_engine") or origin == TorchTransformerLayer.__module__)
+        and any(True for _ in module.parameters(recurse=False))
+    )
+
+
+class NVEsmPreTrainedModel(PreTrainedModel):
+    config_class = NVEsmConfig
+    config: NVEsmConfig
+    base_model_prefix = "esm"
+    _no_split_modules = ["TransformerLayer"]
+    # TE keeps FP8 scaling state in `_extra_state`; it is runtime bookkeeping, not part of a published model.
+    _keys_to_ignore_on_load_missing = [r"_extra_state"]
+    _keys_to_ignore_on_load_unexpected = [r"_extra_state"]
+
+    @torch.no_grad()
+    def _init_weights(self, module: nn.Module) -> None:
+        std = self.config.initializer_range
+        if isinstance(module, nn.Embedding | nn.Linear):
+            nn.init.normal_(module.weight, mean=0.0, std=std)
+            if getattr(module, "bias", None) is not None:
+                nn.init.zeros_(module.bias)
+        elif isinstance(module, nn.LayerNorm):
+            nn.init.ones_(module.weight)
+            nn.init.zeros_(module.bias)
+        elif isinstance(module, NVEsmLMHead):
+            nn.init.zeros_(module.bias)
+        elif isinstance(module, NVEsmContactHead):
+            nn.init.zeros_(module.regression.weight)
+            nn.init.zeros_(module.regression.bias)
+        elif isinstance(module, NVEsmRotaryEmbedding) or _is_backend_layer(module):
+            module.reset_parameters()
+
+    def init_empty_weights(self, device: torch.device | str | None = None) -> None:
+        """Materialise a meta-device model (FSDP2-sharded or not) on ``device`` and initialise every weight.
+
+        Build the model under ``torch.device("meta")``, shard it, then call this: parameters are allocated
+        shard by shard and initialised with the same distributions as direct construction.
+        """
+        if device is None:
+            device = torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available() else "cpu"
+        materialize_meta_model(self, device, self._init_weights)
+        if self.config.tie_word_embeddings:
+            self.tie_weights()
+
+
+class NVEsmContactHead(nn.Module):
+    """Holds ESM-2's contact-regression weights (as buffers: they are not trained here) so that a Hugging Face
+    checkpoint survives a round trip through this model unchanged. Contact prediction needs attention maps, which
+    fused attention does not produce; run the converted Hugging Face model for that."""
+
+    def __init__(self, config: NVEsmConfig):
+        super().__init__()
+        self.regression = nn.Module()
+        in_features = config.num_hidden_layers * config.num_attention_heads
+        self.regression.register_buffer("weight", torch.zeros(1, in_features))
+        self.regression.register_buffer("bias", torch.zeros(1))
+
+
+class NVEsmModel(NVEsmPreTrainedModel):
+    """The ESM-2 encoder. ``forward`` returns ``last_hidden_state`` in the caller's layout."""
+
+    def __init__(self, config: NVEsmConfig, fp8_recipe=None, fp4_recipe=None):
+        super().__init__(config)
+        self.backend = resolve_backend(config.backend)
+        self.embeddings = NVEsmEmbeddings(config)
+        self.encoder = NVEsmEncoder(config, self.backend)
+        self.contact_head = NVEsmContactHead(config)
+        self.layer_precision = list(config.layer_precision or [None] * config.num_hidden_layers)
+        self.cp_group = None
+        self._recipes = {"fp8": fp8_recipe, "fp4": fp4_recipe}
+        for precision in set(self.layer_precision) - {None}:
+            if self._recipes[precision] is None:
+                raise ValueError(f"config.layer_precision asks for {precision} but no {precision}_recipe was passed")
+            if self.backend != "te":
+                raise ValueError(f"{precision} layers need the TransformerEngine backend (this model uses 'torch')")
+        self.post_init()
+
+    def get_input_embeddings(self) -> nn.Embedding:
+        return self.embeddings.word_embeddings
+
+    def set_input_embeddings(self, value: nn.Embedding) -> None:
+        self.embeddings.word_embeddings = value
+
+    def set_context_parallel_group(self, cp_group, cp_global_ranks, cp_stream, cp_comm_type: str = "p2p") -> None:
+        """Split every attention over ``cp_group``: TE's ring attention, or on the torch backend an all-gathered
+        attention with the same results (for CPU tests; it costs ``cp_size`` times the attention compute)."""
+        for layer in self.encoder.layers:
+            layer.set_context_parallel_group(cp_group, cp_global_ranks, cp_stream, cp_comm_type)
+        self.cp_group = cp_group
+
+    def _precision_context(self, layer_index: int):
+        precision = self.layer_precision[layer_index]
+        if self.backend != "te" or all(p is None for p in self.layer_precision):
+            return contextlib.nullcontext()  # leave any caller-level autocast in charge
+        recipe = self._recipes.get(precision) if precision else None
+        return te.autocast(enabled=recipe is not None, recipe=recipe)
+
+    def _alignment(self) -> int:
+        return 16 if any(p is not None for p in self.layer_precision) else 1
+
+    def forward_packed(self, packed: PackedBatch, output_hidden_states: bool = False):
+        """Run the encoder on packed tokens: returns ([tokens, hidden], tuple of per-layer inputs or None)."""
+        hidden = self.embeddings(packed)
+        rotary = self.encoder.rotary_embeddings(packed.max_seqlen)
+        all_hidden = []
+        for index, layer in enumerate(self.encoder.layers):
+            if output_hidden_states:
+                all_hidden.append(hidden)
+            with self._precision_context(index):
+                hidden = layer(hidden, rotary_pos_emb=rotary, **packed.layer_boundaries())
+        hidden = self.encoder.emb_layer_norm_after(hidden)
+        if output_hidden_states:
+            all_hidden.append(hidden)
+        return hidden, (tuple(all_hidden) if output_hidden_states else None)
+
+    def pack(
+        self,
+        input_ids,
+        attention_mask=None,
+        cu_seq_lens_q=None,
+        cu_seq_lens_k=None,
+        max_length_q=None,
+        cu_seq_lens_q_padded=None,
+    ) -> PackedBatch:
+        return pack_inputs(
+            input_ids,
+            attention_mask,
+            cu_seq_lens_q,
+            cu_seq_lens_k,
+            max_length_q,
+            self.config.pad_token_id,
+            self._alignment(),
+            cu_seq_lens_q_padded,
+            self.cp_group,
+        )
+
+    def forward(
+        self,
+        input_ids: torch.Tensor,
+        attention_mask: torch.Tensor | None = None,
+        cu_seq_lens_q: torch.Tensor | None = None,
+        cu_seq_lens_k: torch.Tensor | None = None,
+        max_length_q: int | None = None,
+        max_length_k: int | None = None,
+        cu_seq_lens_q_padded: torch.Tensor | None = None,
+        cu_seq_lens_k_padded: torch.Tensor | None = None,
+        output_hidden_states: bool | None = None,
+        return_dict: bool | None = None,
+        **kwargs,
+    ) -> BaseModelOutput:
+        packed = self.pack(input_ids, attention_mask, cu_seq_lens_q, cu_seq_lens_k, max_length_q, cu_seq_lens_q_padded)
+        hidden, all_hidden = self.forward_packed(packed, bool(output_hidden_states))
+        return BaseModelOutput(
+            last_hidden_state=packed.unpack(hidden),
+            hidden_states=tuple(packed.unpack(h) for h in all_hidden) if all_hidden else None,
+        )
+
+
+class NVEsmLMHead(nn.Module):
+    """dense -> GELU -> LayerNorm -> decoder tied to the input embeddings (+ bias). Always in high precision."""
+
+    def __init__(self, config: NVEsmConfig):
+        super().__init__()
+        self.dense = nn.Linear(config.hidden_size, config.hidden_size)
+        self.layer_norm = nn.LayerNorm(config.hidden_size, eps=config.layer_norm_eps)
+        self.decoder = nn.Linear(config.hidden_size, config.padded_vocab_size, bias=False)
+        self.bias = nn.Parameter(torch.zeros(config.padded_vocab_size))
+        self.vocab_size = config.vocab_size
+
+    def forward(self, hidden: torch.Tensor) -> torch.Tensor:
+        x = self.layer_norm(F.gelu(self.dense(hidden)))
+        # The GEMM runs over the padded vocabulary; the padding columns are cut before anyone sees them.
+        return (self.decoder(x) + self.bias)[..., : self.vocab_size]
+
+
+class _NVEsmPerTokenModel(NVEsmPreTrainedModel):
+    """The forward shared by heads that predict one output per token: pack, encode, head, loss, unpack."""
+
+    output_class = MaskedLMOutput
+
+    def head(self, hidden: torch.Tensor) -> torch.Tensor:
+        raise NotImplementedError
+
+    def forward(
+        self,
+        input_ids: torch.Tensor,
+        attention_mask: torch.Tensor | None = None,
+        labels: torch.Tensor | None = None,
+        cu_seq_lens_q: torch.Tensor | None = None,
+        cu_seq_lens_k: torch.Tensor | None = None,
+        max_length_q: int | None = None,
+        max_length_k: int | None = None,
+        cu_seq_lens_q_padded: torch.Tensor | None = None,
+        cu_seq_lens_k_padded: torch.Tensor | None = None,
+        output_hidden_states: bool | None = None,
+        return_dict: bool | None = None,
+        **kwargs,
+    ):
+        packed = self.esm.pack(
+            input_ids, attention_mask, cu_seq_lens_q, cu_seq_lens_k, max_length_q, cu_seq_lens_q_padded
+        )
+        hidden, all_hidden = self.esm.forward_packed(packed, bool(output_hidden_states))
+        logits = self.head(hidden)
+        loss = None if labels is None else token_mean_loss(logits, packed.pack_like(labels), packed.cp_group)
+        return self.output_class(
+            loss=loss,
+            logits=packed.unpack(logits),
+            hidden_states=tuple(packed.unpack(h) for h in all_hidden) if all_hidden else None,
+        )
+
+
+class NVEsmForMaskedLM(_NVEsmPerTokenModel):
+    _tied_weights_keys = {"lm_head.decoder.weight": "esm.embeddings.word_embeddings.weight"}
+    output_class = MaskedLMOutput
+
+    def __init__(self, config: NVEsmConfig, fp8_recipe=None, fp4_recipe=None):
+        super().__init__(config)
+        self.esm = NVEsmModel(config, fp8_recipe=fp8_recipe, fp4_recipe=fp4_recipe)
+        self.lm_head = NVEsmLMHead(config)
+        self.post_init()
+
+    @property
+    def backend(self) -> str:
+        return self.esm.backend
+
+    def get_output_embeddings(self) -> nn.Linear:
+        return self.lm_head.decoder
+
+    def set_output_embeddings(self, value: nn.Linear) -> None:
+        self.lm_head.decoder = value
+
+    def head(self, hidden: torch.Tensor) -> torch.Tensor:
+        return self.lm_head(hidden)
+
+
+class NVEsmForTokenClassification(_NVEsmPerTokenModel):
+    output_class = TokenClassifierOutput
+
+    def __init__(self, config: NVEsmConfig, fp8_recipe=None, fp4_recipe=None):
+        super().__init__(config)
+        self.num_labels = config.num_labels
+        self.esm = NVEsmModel(config, fp8_recipe=fp8_recipe, fp4_recipe=fp4_recipe)
+        self.dropout = nn.Dropout(config.hidden_dropout_prob)
+        self.classifier = nn.Linear(config.hidden_size, config.num_labels)
+        self.post_init()
+
+    def head(self, hidden: torch.Tensor) -> torch.Tensor:
+        return self.classifier(self.dropout(hidden))

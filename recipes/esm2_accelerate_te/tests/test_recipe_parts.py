@@ -1,0 +1,184 @@
+"""The parts train.py puts together, each against a reference that does not use it: the loss over micro-batches, the
+checkpoint bookkeeping, and the one-line refusals of what a launch cannot do."""
+
+import os
+
+import pytest
+import torch
+import torch.nn.functional as F
+from checkpoints import (
+    MARKER,
+    find_resume_checkpoint,
+    load_data_position,
+    mark_complete,
+    prune_checkpoints,
+    resume_checkpoint,
+    save_data_position,
+)
+from hydra import compose, initialize_config_dir
+from launch import RECIPE_DIR
+from launch_settings import LaunchSettings, check_launch, fp8_config_from_accelerate
+from mlm_trainer import masked_lm_loss
+from training_arguments import training_arguments
+from transformers.modeling_outputs import MaskedLMOutput
+from user_errors import ConfigError, UnsupportedHardwareError
+
+
+def _compose(name: str = "L0_sanity", overrides: list[str] | None = None):
+    with initialize_config_dir(config_dir=str(RECIPE_DIR / "hydra_config"), version_base="1.3"):
+        return compose(config_name=name, overrides=["output_dir=unused", *(overrides or [])])
+
+
+def _launch(**kwargs) -> LaunchSettings:
+    defaults = {"precision": "bf16", "fsdp": False, "fsdp_layer_class": None, "use_cpu": False, "launched": True}
+    return LaunchSettings(**{**defaults, **kwargs})
+
+
+# ------------------------------------------------------------------------------------------------ loss
+
+
+def test_micro_batch_losses_add_up_to_the_token_mean_of_the_whole_step():
+    """Two micro-batches with different numbers of masked tokens: the summed losses (each divided by the step's
+    count, as the Trainer passes it) equal the token-mean cross-entropy of one batch holding both."""
+    torch.manual_seed(0)
+    logits = torch.randn(2, 7, 33)
+    labels = torch.full((2, 7), -100)
+    labels[0, 1], labels[1, [0, 2, 3, 5]] = 4, torch.tensor([5, 6, 7, 8])
+    total = int((labels != -100).sum())
+    parts = [masked_lm_loss(MaskedLMOutput(logits=logits[i : i + 1]), labels[i : i + 1], total) for i in range(2)]
+    reference = F.cross_entropy(logits.reshape(-1, 33), labels.reshape(-1), ignore_index=-100)
+    torch.testing.assert_close(sum(parts), reference)
+    # Without a count (evaluation) a batch is its own token mean.
+    torch.testing.assert_close(masked_lm_loss(MaskedLMOutput(logits=logits), labels), reference)
+
+
+# ------------------------------------------------------------------------------------------------ checkpoints
+
+
+def _checkpoint(root, step, complete=True):
+    path = root / f"checkpoint-{step}"
+    path.mkdir(parents=True)
+    if complete:
+        mark_complete(path)
+    return path
+
+
+def test_resume_skips_a_checkpoint_whose_save_did_not_finish(tmp_path, caplog):
+    _checkpoint(tmp_path, 10)
+    _checkpoint(tmp_path, 20, complete=False)  # killed during the save
+    assert find_resume_checkpoint(tmp_path) == tmp_path / "checkpoint-10"
+    assert "checkpoint-20" in caplog.text and MARKER in caplog.text
+    assert find_resume_checkpoint(tmp_path / "missing") is None
+
+
+def test_resume_from_names_one_checkpoint_which_must_be_complete(tmp_path):
+    older = _checkpoint(tmp_path, 10)
+    _checkpoint(tmp_path, 20)
+    assert resume_checkpoint(True, None, tmp_path) == tmp_path / "checkpoint-20"
+    assert resume_checkpoint(False, None, tmp_path) is None
+    assert resume_checkpoint(True, str(older), tmp_path) == older
+    unfinished = _checkpoint(tmp_path, 30, complete=False)
+    with pytest.raises(ConfigError, match="did not finish"):
+        resume_checkpoint(True, str(unfinished), tmp_path)
+    with pytest.raises(ConfigError, match="not a checkpoint-<step> directory"):
+        resume_checkpoint(True, str(tmp_path / "checkpoint-99"), tmp_path)
+
+
+def test_pruning_keeps_the_newest_complete_checkpoints(tmp_path):
+    for step in (10, 20, 30):
+        _checkpoint(tmp_path, step)
+    _checkpoint(tmp_path, 25, complete=False)
+    _checkpoint(tmp_path, 40, complete=False)  # a save in progress: never pruned
+    prune_checkpoints(tmp_path, keep=2)
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["checkpoint-20", "checkpoint-30", "checkpoint-40"]
+    prune_checkpoints(tmp_path, keep=None)  # keep all complete ones
+    assert len(list(tmp_path.iterdir())) == 3
+
+
+def test_data_position_round_trip_and_a_different_process_count(tmp_path):
+    checkpoint = _checkpoint(tmp_path, 5)
+    for rank in (0, 1):
+        save_data_position(checkpoint, rank, {"epoch": 1, "consumed": 16 + rank})
+    assert load_data_position(checkpoint, 1, 2) == {"epoch": 1, "consumed": 17}
+    with pytest.raises(ConfigError, match="written by 2 processes and cannot continue on 4"):
+        load_data_position(checkpoint, 3, 4)
+
+
+# ------------------------------------------------------------------------------------------------ launch checks
+
+
+def test_fsdp_on_cpu_is_refused():
+    with pytest.raises(UnsupportedHardwareError, match="FSDP, which needs GPUs"):
+        check_launch(_launch(fsdp=True, use_cpu=True), _compose(), cuda_available=False)
+
+
+def test_fp8_without_a_gpu_is_refused():
+    with pytest.raises(UnsupportedHardwareError, match="fp8 needs an NVIDIA GPU"):
+        check_launch(_launch(precision="fp8"), _compose(), cuda_available=False)
+
+
+def test_fp8_with_the_stock_model_is_refused():
+    with pytest.raises(ConfigError, match="FP8 needs this recipe's TE model"):
+        check_launch(_launch(precision="fp8"), _compose(overrides=["model_implementation=hf"]), cuda_available=True)
+
+
+def test_fp8_layers_without_an_fp8_launch_are_refused():
+    with pytest.raises(ConfigError, match="does not ask for FP8"):
+        check_launch(_launch(), _compose(overrides=["fp8_layers=[1]"]), cuda_available=True)
+
+
+@pytest.mark.parametrize(
+    ("layer_class", "implementation", "advice"),
+    [("EsmLayer", "nv", "fsdp2_te.yaml"), ("TransformerLayer", "hf", "fsdp2_hf.yaml")],
+)
+def test_fsdp_config_for_the_other_model_is_refused(layer_class, implementation, advice):
+    cfg = _compose(overrides=[f"model_implementation={implementation}"])
+    with pytest.raises(ConfigError, match=advice):
+        check_launch(_launch(fsdp=True, fsdp_layer_class=layer_class), cfg, cuda_available=True)
+
+
+def test_launch_settings_come_from_accelerate_launch(monkeypatch):
+    for key in list(os.environ):
+        if key.startswith(("ACCELERATE_", "FSDP_")):
+            monkeypatch.delenv(key)
+    assert LaunchSettings.from_environment().launched is False
+    monkeypatch.setenv("ACCELERATE_MIXED_PRECISION", "fp16")
+    with pytest.raises(ConfigError, match="mixed_precision: fp16"):
+        LaunchSettings.from_environment()
+    monkeypatch.setenv("ACCELERATE_MIXED_PRECISION", "bf16")
+    monkeypatch.setenv("ACCELERATE_USE_FSDP", "true")
+    monkeypatch.setenv("FSDP_VERSION", "1")
+    with pytest.raises(ConfigError, match="fsdp_version: 2"):
+        LaunchSettings.from_environment()
+    monkeypatch.setenv("FSDP_VERSION", "2")
+    monkeypatch.setenv("FSDP_TRANSFORMER_CLS_TO_WRAP", "TransformerLayer")
+    launch = LaunchSettings.from_environment()
+    assert (launch.precision, launch.fsdp, launch.fsdp_layer_class) == ("bf16", True, "TransformerLayer")
+
+
+def test_no_fp8_unless_the_launch_asks_for_it():
+    assert fp8_config_from_accelerate(_launch(), _compose())["enabled"] is False
+
+
+# ------------------------------------------------------------------------------------------------ TrainingArguments
+
+
+def test_training_arguments_follow_the_hydra_config():
+    cfg = _compose(overrides=["grad_acc_steps=2", "checkpoint.save_every=7", "adamw_kwargs.lr=1e-3"])
+    args = training_arguments(cfg, _launch(precision="no", use_cpu=True))
+    assert (args.max_steps, args.gradient_accumulation_steps, args.save_steps) == (150, 2, 7)
+    assert (args.learning_rate, args.adam_beta2, args.bf16, args.ignore_data_skip) == (1e-3, 0.98, False, True)
+
+
+@pytest.mark.parametrize(
+    ("override", "message"),
+    [
+        ("+training_args={max_steps: 3}", "which the recipe sets from its own keys"),
+        ("+training_args={not_an_argument: 1}", "TrainingArguments does not have"),
+        ("checkpoint.max_checkpoints=0", "max_checkpoints must be >= 1"),
+        ("stop_after_steps=0", "stop_after_steps must be a positive step number"),
+    ],
+)
+def test_bad_training_settings_are_refused(override, message):
+    with pytest.raises(ConfigError, match=message):
+        training_arguments(_compose(overrides=[override]), _launch(precision="no", use_cpu=True))

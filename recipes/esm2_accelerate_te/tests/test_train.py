@@ -1,0 +1,146 @@
+"""End-to-end runs of train.py on CPU, launched with ``accelerate launch --config_file accelerate_config/cpu.yaml``.
+
+References are independent of the code under test: the loss must fall below the amino-acid background entropy
+(~2.9 nats, which needs context: scripts/make_sanity_dataset.py), an interrupted run must match an uninterrupted one
+exactly, and the export must hold the weights of the last checkpoint.
+"""
+
+import os
+from pathlib import Path
+
+import pytest
+import torch
+from accelerate_run import FAST, TINY_ESM2, accelerate_launch, read_metrics, read_summary
+from safetensors.torch import load_file
+from transformers import AutoConfig, AutoModelForMaskedLM
+
+
+LOSS_THRESHOLD = 2.85  # below the residue background entropy: the model uses context
+CONVERGE = [
+    "num_train_steps=60",
+    "adamw_kwargs.lr=3e-3",
+    "lr_scheduler_kwargs.num_warmup_steps=10",
+    "lr_scheduler_kwargs.num_decay_steps=50",
+    "logger.log_every=10",
+]
+TINY_AMPLIFY = (
+    "model_config_overrides={hidden_size: 64, num_hidden_layers: 2, num_attention_heads: 4, intermediate_size: 192}"
+)
+
+
+@pytest.mark.parametrize("num_processes", [1, 2])
+@pytest.mark.parametrize("model", ["esm2", "amplify"])
+def test_l0_learns(tmp_path, model, num_processes):
+    """Both model families learn under the Trainer on 1 and 2 CPU processes (DDP over gloo), and the run writes
+    metrics, summary, a complete checkpoint and an export."""
+    config = ["--config-name", "L0_sanity"] if model == "esm2" else ["--config-name", "L0_sanity_amplify"]
+    shape = TINY_ESM2 if model == "esm2" else TINY_AMPLIFY
+    result = accelerate_launch(
+        "cpu.yaml", *config, f"output_dir={tmp_path}", shape, *FAST, *CONVERGE, num_processes=num_processes
+    )
+    output = result.stdout + result.stderr
+    assert "\r" not in output, "a progress bar wrote carriage returns into a log"
+    metrics = read_metrics(tmp_path)
+    assert [m["step"] for m in metrics] == [10, 20, 30, 40, 50, 60]
+    assert metrics[-1]["loss"] < LOSS_THRESHOLD < metrics[0]["loss"] + 0.5, [m["loss"] for m in metrics]
+    assert all(m["grad_norm"] > 0 for m in metrics)  # the Trainer's gradient norm reaches the metrics
+    summary = read_summary(tmp_path)
+    assert summary["world_size"] == num_processes and summary["steps"] == 60
+    assert summary["fp8_requested"] is False and summary["fp8_modules_with_amax"] == 0
+    assert (tmp_path / "checkpoint-60" / "COMPLETE").is_file()
+    assert sorted(p.name for p in (tmp_path / "checkpoint-60" / "data_position").iterdir()) == [
+        f"rank{r}.pt" for r in range(num_processes)
+    ]
+    assert (tmp_path / "final_model" / "config.json").is_file()
+
+
+def test_resume_is_exact(tmp_path):
+    """Stopped after step 6 and relaunched, a 2-process run logs the same losses as one that never stopped: model,
+    optimizer, schedule, RNG and each process's data position all come back."""
+    common = [TINY_ESM2, *FAST, "num_train_steps=12", "logger.log_every=1", "export_final_model=false"]
+    whole, split = tmp_path / "whole", tmp_path / "split"
+    accelerate_launch("cpu.yaml", f"output_dir={whole}", *common, num_processes=2)
+    accelerate_launch("cpu.yaml", f"output_dir={split}", *common, "stop_after_steps=6", num_processes=2)
+    assert (split / "checkpoint-6" / "COMPLETE").is_file() and not (split / "checkpoint-12").exists()
+    result = accelerate_launch("cpu.yaml", f"output_dir={split}", *common, num_processes=2)
+    assert "Resuming from" in result.stdout + result.stderr
+    expected = [(m["step"], m["loss"], m["grad_norm"]) for m in read_metrics(whole)]
+    resumed = [(m["step"], m["loss"], m["grad_norm"]) for m in read_metrics(split)]
+    assert [s for s, _, _ in resumed] == list(range(1, 13))
+    for (step, loss, norm), (_, resumed_loss, resumed_norm) in zip(expected, resumed):
+        assert resumed_loss == pytest.approx(loss, rel=1e-6, abs=1e-7), step
+        assert resumed_norm == pytest.approx(norm, rel=1e-5), step
+
+
+def test_export_loads_offline_and_holds_the_trained_weights(tmp_path):
+    """final_model loads with AutoModelForMaskedLM (trust_remote_code, no network) and holds the weights of the
+    last checkpoint, which the Trainer wrote with its own save_pretrained."""
+    accelerate_launch("cpu.yaml", f"output_dir={tmp_path}", TINY_ESM2, *FAST, "num_train_steps=5")
+    export_dir = tmp_path / "final_model"
+    config = AutoConfig.from_pretrained(export_dir, trust_remote_code=True, backend="torch")
+    assert config.layer_precision is None and config.auto_map
+    model = AutoModelForMaskedLM.from_pretrained(export_dir, config=config, trust_remote_code=True).eval()
+    trained = load_file(tmp_path / "checkpoint-5" / "model.safetensors")
+    state = model.state_dict()
+    for name, tensor in trained.items():
+        torch.testing.assert_close(state[name], tensor, rtol=0, atol=0, msg=name)
+    tokens = torch.tensor([[0, 5, 6, 32, 7, 2]])  # <cls> L A <mask> G <eos>
+    logits = model(input_ids=tokens).logits
+    assert logits.shape == (1, 6, 33) and torch.isfinite(logits).all()
+
+
+def test_stock_hf_baseline_trains_and_exports(tmp_path):
+    """model_implementation=hf trains transformers' own EsmForMaskedLM (the baseline) and exports it as such."""
+    accelerate_launch(
+        "cpu.yaml", f"output_dir={tmp_path}", TINY_ESM2, *FAST, "num_train_steps=5", "model_implementation=hf"
+    )
+    config = AutoConfig.from_pretrained(tmp_path / "final_model")
+    assert config.model_type == "esm" and config.architectures == ["EsmForMaskedLM"]
+    assert read_summary(tmp_path)["steps"] == 5
+
+
+def _native_recipe() -> Path:
+    return Path(__file__).resolve().parents[2] / "esm2_native_te"
+
+
+@pytest.mark.skipif(not _native_recipe().is_dir(), reason="recipes/esm2_native_te is not beside this recipe")
+def test_same_losses_as_the_native_recipe(tmp_path):
+    """The Trainer path and recipes/esm2_native_te's train_ddp.py give the same loss curve on the same data, init and
+    steps (float32 on CPU; weight decay off, since the Trainer exempts biases and norms from it)."""
+    import subprocess
+    import sys
+
+    from launch import script_env
+
+    common = [TINY_ESM2, *FAST, "num_train_steps=15", "logger.log_every=1", "adamw_kwargs.weight_decay=0.0"]
+    common += ["export_final_model=false", "checkpoint.save_final=false"]
+    accelerate_launch("cpu.yaml", f"output_dir={tmp_path / 'trainer'}", *common)
+    native = _native_recipe()
+    command = [sys.executable, "train_ddp.py", f"output_dir={tmp_path / 'native'}", *common]
+    env = script_env()
+    env["PYTHONPATH"] = os.pathsep.join([str(native), os.environ.get("PYTHONPATH", "")])  # not this recipe
+    result = subprocess.run(command, cwd=native, env=env, capture_output=True, text=True, timeout=600)
+    assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
+    trainer, reference = read_metrics(tmp_path / "trainer"), read_metrics(tmp_path / "native")
+    assert [m["step"] for m in trainer] == [m["step"] for m in reference] == list(range(1, 16))
+    for ours, theirs in zip(trainer, reference):
+        assert ours["loss"] == pytest.approx(theirs["loss"], rel=1e-4), ours["step"]
+        assert ours["grad_norm"] == pytest.approx(theirs["grad_norm"], rel=1e-3), ours["step"]
+
+
+def test_fsdp_on_a_cpu_machine_fails_at_start_in_one_line(tmp_path):
+    result = accelerate_launch("fsdp2_te.yaml", f"output_dir={tmp_path}", expect_failure=True)
+    assert "error: the accelerate config asks for FSDP, which needs GPUs here" in result.stdout + result.stderr
+    assert not (tmp_path / "metrics.jsonl").exists()
+
+
+def test_fp8_on_a_cpu_machine_fails_at_start(tmp_path):
+    """accelerate launch itself refuses fp8 without TransformerEngine; started another way, train.py refuses it."""
+    result = accelerate_launch("fp8.yaml", f"output_dir={tmp_path}", expect_failure=True)
+    assert "FP8 is not available on this machine" in result.stderr
+    from launch import run_script
+
+    result = run_script(
+        "train.py", f"output_dir={tmp_path}", env={"ACCELERATE_MIXED_PRECISION": "fp8"}, expect_failure=True
+    )
+    assert "error: mixed_precision: fp8 needs an NVIDIA GPU" in result.stdout + result.stderr

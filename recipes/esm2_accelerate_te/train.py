@@ -1,0 +1,96 @@
+"""Pre-train ESM-2 or AMPLIFY (``model_tag``) with the Hugging Face Trainer, launched by ``accelerate launch``.
+
+    accelerate launch --config_file accelerate_config/cpu.yaml train.py                      # L0 sanity on CPU
+    accelerate launch --config_file accelerate_config/fsdp2_te.yaml --num_processes 8 train.py --config-name L1_650M
+    accelerate launch --config_file accelerate_config/fp8.yaml --num_processes 8 train.py --config-name L1_650M
+
+The accelerate config file decides processes, DDP or FSDP2, and precision (bf16 or FP8); the Hydra config (every key
+in hydra_config/defaults.yaml) decides model, data, optimizer, checkpoints. Reads top to bottom: launch settings,
+Trainer arguments (they start torch.distributed), model, data, Trainer with callbacks, resume, train, export.
+"""
+
+import logging
+from pathlib import Path
+
+import hydra
+import torch
+from callbacks import DataPositionCallback, FinalCheckpointCallback, PerfCallback, StopAfterStepsCallback
+from checkpoints import load_data_position, resume_checkpoint
+from dataset import create_dataloader
+from export import export_final_model
+from launch_settings import LaunchSettings, check_launch, fp8_config_from_accelerate, hand_fp8_to_the_model
+from mlm_trainer import MaskedLMTrainer
+from model_families import load_tokenizer
+from model_setup import build_model
+from omegaconf import DictConfig, OmegaConf
+from perf_logger import PerfLogger, quiet_progress_bars_off_a_terminal
+from recipe_paths import config_name
+from training_arguments import training_arguments
+from transformers import PrinterCallback, set_seed
+from user_errors import check_config, report_user_errors
+
+
+logger = logging.getLogger(__name__)
+
+
+@report_user_errors(hydra.main(config_path="hydra_config", config_name="L0_sanity", version_base="1.3"))
+def main(cfg: DictConfig) -> None:
+    check_config(cfg)  # a `???` value left unset or a mistyped override (num_train_steps=abc) fails here, by name
+    quiet_progress_bars_off_a_terminal()  # in a log file a bar is one endless line
+    launch = LaunchSettings.from_environment()
+    check_launch(launch, cfg, torch.cuda.is_available())
+    fp8_config = fp8_config_from_accelerate(launch, cfg)
+    if fp8_config["enabled"]:
+        hand_fp8_to_the_model()  # the model runs FP8 per layer; the Trainer's accelerate sees bf16 only
+
+    # TrainingArguments sets up torch.distributed (one process per GPU, or gloo on CPU) and the device.
+    args = training_arguments(cfg, launch)
+    if args.process_index != 0:
+        logging.getLogger().setLevel(logging.WARNING)
+    logger.info("Launch: %s on %d process(es), %s", launch.describe(), args.world_size, args.device)
+    logger.info("Config:\n%s", OmegaConf.to_yaml(cfg))
+    set_seed(cfg.seed)  # the same random init on every process
+
+    tokenizer = load_tokenizer(cfg)  # the model family's, with tokenizer_path: auto
+    built = build_model(cfg, fp8_config, args.device)
+    data_cfg = OmegaConf.to_container(cfg.dataset)
+    if fp8_config["enabled"] and not data_cfg["pad_to_multiple_of"]:
+        data_cfg["pad_to_multiple_of"] = 16  # FP8 GEMMs need token counts that are multiples of 16
+    dataloader = create_dataloader(
+        data_cfg, tokenizer, dp_rank=args.process_index, dp_world_size=args.world_size, seed=cfg.seed
+    )
+
+    resume_from = resume_checkpoint(cfg.checkpoint.resume, cfg.checkpoint.resume_from, cfg.output_dir)
+    start_step = 0
+    if resume_from is not None:
+        dataloader.load_state_dict(load_data_position(resume_from, args.process_index, args.world_size))
+        start_step = int(resume_from.name.split("-")[-1])
+        logger.info("Resuming from %s (step %d)", resume_from, start_step)
+
+    perf = PerfLogger(cfg, built.model_flops, tokenizer.pad_token_id, start_step, config_name=config_name())
+    trainer = MaskedLMTrainer(
+        model=built.model,
+        args=args,
+        train_dataloader=dataloader,
+        lr_scheduler_kwargs=cfg.lr_scheduler_kwargs,
+        perf=perf,
+        processing_class=tokenizer,
+    )
+    trainer.remove_callback(PrinterCallback)  # PerfCallback prints one line per logging step instead
+    trainer.add_callback(PerfCallback(trainer, perf, cfg.logger.log_every, fp8_requested=fp8_config["enabled"]))
+    trainer.add_callback(StopAfterStepsCallback(cfg.stop_after_steps))
+    if cfg.checkpoint.save_final:
+        trainer.add_callback(FinalCheckpointCallback())
+    trainer.add_callback(DataPositionCallback(dataloader, cfg.checkpoint.max_checkpoints))
+
+    # A launch that finds its run already finished loads the last checkpoint, trains nothing and exports again.
+    trainer.train(resume_from_checkpoint=str(resume_from) if resume_from else None)
+
+    if cfg.export_final_model and trainer.state.global_step >= cfg.num_train_steps:
+        # A Hugging Face directory that loads anywhere (AutoModelForMaskedLM, trust_remote_code), without FP8.
+        export_final_model(trainer, built.model, Path(cfg.output_dir) / "final_model", tokenizer)
+    trainer.accelerator.end_training()
+
+
+if __name__ == "__main__":
+    main()
