@@ -4,6 +4,8 @@
         --nproc 1 --steps 100 --data /data/uniref50_sample.parquet
     python3 ci/benchmark.py ... --synthetic protein:20000          # no data at hand: realistic synthetic lengths
     python3 ci/benchmark.py ... --override fp8_config.enabled=true --markdown docs/benchmarks.md
+    python3 ci/benchmark.py --recipe recipes/esm2_accelerate_te --entrypoint train.py --config L1_650M \
+        --accelerate-config accelerate_config/fsdp2_te.yaml ...   # `accelerate launch` instead of torchrun
 
 The recipe's perf logger does the measuring (see docs/benchmarks.md for the definitions and the MFU formula):
 median unpadded tokens/s/GPU and MFU over the logged windows after warm-up, step time, peak memory. This script
@@ -22,6 +24,7 @@ import tempfile
 from pathlib import Path
 
 import numpy as np
+import yaml
 from plot_benchmarks import read_results, render_svg
 
 
@@ -71,11 +74,24 @@ def resolved_config(recipe: Path, config: str, overrides: list[str]) -> dict:
     return OmegaConf.to_container(cfg, resolve=False)
 
 
-def describe(cfg: dict) -> dict:
+def accelerate_precision(accelerate_cfg: dict) -> str:
+    """The precision column of a run whose accelerate config file (not the Hydra config) sets it."""
+    mixed = accelerate_cfg.get("mixed_precision", "no")
+    if mixed == "fp8":
+        fp8 = accelerate_cfg.get("fp8_config", {})
+        return f"fp8 {fp8.get('backend', 'TE')} {fp8.get('fp8_format', 'HYBRID')} (accelerate fp8_config) layers all"
+    return f"{mixed} (fp32 master weights)" if mixed in ("bf16", "fp16") else "fp32"
+
+
+def describe(cfg: dict, accelerate_cfg: dict | None = None) -> dict:
     """Columns of the benchmarks table that come from the configuration rather than from the measurement."""
     data = cfg["dataset"]
     fp8, fp4 = cfg.get("fp8_config", {}), cfg.get("fp4_config", {})
-    if fp8.get("enabled") or fp4.get("enabled"):
+    if accelerate_cfg is not None:
+        precision = accelerate_precision(accelerate_cfg)
+        if accelerate_cfg.get("mixed_precision") == "fp8" and (cfg.get("fp8_layers") or cfg.get("keep_first_last_bf16")):
+            precision = precision.replace("layers all", "layers per fp8_layers/keep_first_last_bf16")
+    elif fp8.get("enabled") or fp4.get("enabled"):
         parts = [f"fp8 {fp8.get('fp8_recipe')} layers {fp8.get('fp8_layers') or 'all'}"] if fp8.get("enabled") else []
         parts += [f"fp4 layers {fp4.get('fp4_layers') or 'all'}"] if fp4.get("enabled") else []
         precision = ", ".join(parts)
@@ -104,6 +120,7 @@ def markdown_row(result: dict) -> str:
         result["gpus"],
         result["model"],
         f"`{result['recipe']}/{result['entrypoint']} --config-name {result['config']}`"
+        + (f" (accelerate `{result['accelerate_config']}`)" if result.get("accelerate_config") else "")
         + (f" `{' '.join(result['overrides'])}`" if result["overrides"] else ""),
         result["input_format"],
         result["precision"],
@@ -136,14 +153,19 @@ def run_benchmark(args: argparse.Namespace) -> dict:
         "export_final_model=false",
         *args.override,
     ]
-    command = [
-        sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={args.nproc}",
-        args.entrypoint, "--config-name", args.config, *overrides,
-    ]  # fmt: skip
+    if args.accelerate_config:
+        launcher = [
+            sys.executable, "-m", "accelerate.commands.launch", "--config_file", args.accelerate_config,
+            "--num_processes", str(args.nproc),
+        ]  # fmt: skip
+    else:
+        launcher = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={args.nproc}"]
+    command = [*launcher, args.entrypoint, "--config-name", args.config, *overrides]
     print("+", " ".join(command), flush=True)
     subprocess.run(command, cwd=recipe, check=True)
     summary = json.loads((output_dir / "summary.json").read_text())
     cfg = resolved_config(recipe, args.config, overrides)
+    accelerate_cfg = yaml.safe_load((recipe / args.accelerate_config).read_text()) if args.accelerate_config else None
     return {
         "date": datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%d"),
         "device": summary.get("device", "cpu"),
@@ -152,7 +174,8 @@ def run_benchmark(args: argparse.Namespace) -> dict:
         "entrypoint": args.entrypoint,
         "config": args.config,
         "overrides": args.override,
-        **describe(cfg),
+        "accelerate_config": args.accelerate_config,
+        **describe(cfg, accelerate_cfg),
         "tokens_per_second_per_gpu": summary["median_tokens_per_second_per_gpu"],
         "step_time_s": summary["median_step_time_s"],
         "mfu": summary["median_mfu"],
@@ -168,6 +191,10 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--recipe", required=True, help="recipe folder, e.g. recipes/esm2_native_te")
     parser.add_argument("--entrypoint", default="train_fsdp2.py")
     parser.add_argument("--config", required=True, help="Hydra config name, e.g. L1_650M")
+    parser.add_argument(
+        "--accelerate-config",
+        help="launch with `accelerate launch --config_file` this file (relative to the recipe) instead of torchrun",
+    )
     parser.add_argument("--nproc", type=int, default=1, help="processes (GPUs) on this machine")
     parser.add_argument("--steps", type=int, default=100)
     parser.add_argument("--warmup", type=int, default=20, help="steps left out of the medians")

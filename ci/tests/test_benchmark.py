@@ -45,6 +45,30 @@ def test_describe_reads_precision_and_batch_shape():
     assert described["precision"] == "fp8 Float8CurrentScaling layers [2, 3]"
 
 
+def test_describe_takes_the_precision_from_an_accelerate_config():
+    cfg = {"model_tag": "model_configs/esm2_t33_650M_UR50D", "dataset": {"input_format": "thd", "token_budget": 4096}}
+    assert benchmark.describe(cfg, {"mixed_precision": "bf16"})["precision"] == "bf16 (fp32 master weights)"
+    fp8 = {"mixed_precision": "fp8", "fp8_config": {"backend": "TE", "fp8_format": "E4M3"}}
+    assert benchmark.describe(cfg, fp8)["precision"] == "fp8 TE E4M3 (accelerate fp8_config) layers all"
+    assert "fp8_layers" in benchmark.describe({**cfg, "fp8_layers": [2]}, fp8)["precision"]
+
+
+def test_tiny_accelerate_launch_on_cpu(tmp_path):
+    result_file = tmp_path / "result.json"
+    command = [
+        sys.executable, str(REPO_ROOT / "ci" / "benchmark.py"),
+        "--recipe", "recipes/esm2_accelerate_te", "--entrypoint", "train.py", "--config", "L0_sanity",
+        "--accelerate-config", "accelerate_config/cpu.yaml",
+        "--steps", "4", "--log-every", "2", "--warmup", "2", "--synthetic", "protein:64",
+        "--override", "+model_config_overrides.num_hidden_layers=1", "--json", str(result_file),
+    ]  # fmt: skip
+    subprocess.run(command, check=True, capture_output=True, text=True, timeout=300)
+    result = json.loads(result_file.read_text())
+    assert result["steps"] == 4 and result["gpus"] == 1 and result["precision"] == "fp32"
+    assert result["accelerate_config"] == "accelerate_config/cpu.yaml" and result["tokens_per_second_per_gpu"] > 0
+    assert "(accelerate `accelerate_config/cpu.yaml`)" in benchmark.markdown_row(result)
+
+
 def test_tiny_cpu_run_reports_a_row_matching_the_benchmarks_table(tmp_path):
     result_file = tmp_path / "result.json"
     markdown = tmp_path / "benchmarks.md"
