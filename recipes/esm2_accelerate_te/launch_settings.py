@@ -57,8 +57,20 @@ class LaunchSettings:
         return f"{strategy}, {'float32' if self.precision == 'no' else self.precision}"
 
 
-def check_launch(launch: LaunchSettings, cfg, cuda_available: bool) -> None:
-    """Refuse what the model or the machine cannot do, before anything is built."""
+def gpu_capability() -> tuple[int, int] | None:
+    """The CUDA compute capability of this process's GPU (``LOCAL_RANK``; read before the Trainer sets the device),
+    or None without one."""
+    import torch
+
+    if not torch.cuda.is_available():
+        return None
+    return torch.cuda.get_device_capability(int(os.environ.get("LOCAL_RANK", 0)) % torch.cuda.device_count())
+
+
+def check_launch(launch: LaunchSettings, cfg, capability: tuple[int, int] | None) -> None:
+    """Refuse what the model or the machine (``capability``: see :func:`gpu_capability`) cannot do, before anything
+    is built."""
+    cuda_available = capability is not None
     if not launch.launched:
         logger.warning(
             "Not started by `accelerate launch`: one process, float32. For bf16, FP8 or FSDP2 run "
@@ -73,6 +85,13 @@ def check_launch(launch: LaunchSettings, cfg, cuda_available: bool) -> None:
             raise ConfigError("FP8 needs this recipe's TE model: model_implementation=nv (hf is the bf16 baseline)")
         if not cuda_available or launch.use_cpu:
             raise UnsupportedHardwareError("mixed_precision: fp8 needs an NVIDIA GPU (Hopper or newer); use cpu.yaml")
+        mxfp8 = os.environ.get("ACCELERATE_FP8_USE_MXFP8_BLOCK_SCALING", "false").lower() in ("1", "true", "yes")
+        needed, generation = ((10, 0), "Blackwell") if mxfp8 else ((8, 9), "Ada/Hopper")
+        if tuple(capability) < needed:
+            raise UnsupportedHardwareError(
+                f"{'MXFP8' if mxfp8 else 'FP8'} needs a {generation} GPU or newer (compute capability "
+                f"{needed[0]}.{needed[1]}); this one is {capability[0]}.{capability[1]}: use default.yaml (bf16)"
+            )
         backend = os.environ.get("ACCELERATE_FP8_BACKEND", "TE").upper()
         if backend != "TE":
             raise ConfigError(f"fp8_config.backend: {backend} in the accelerate config; this recipe's FP8 is TE's")

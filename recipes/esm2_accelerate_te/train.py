@@ -13,12 +13,17 @@ import logging
 from pathlib import Path
 
 import hydra
-import torch
 from callbacks import DataPositionCallback, FinalCheckpointCallback, PerfCallback, StopAfterStepsCallback
 from checkpoints import load_data_position, resume_checkpoint
 from dataset import create_dataloader
 from export import export_final_model
-from launch_settings import LaunchSettings, check_launch, fp8_config_from_accelerate, hand_fp8_to_the_model
+from launch_settings import (
+    LaunchSettings,
+    check_launch,
+    fp8_config_from_accelerate,
+    gpu_capability,
+    hand_fp8_to_the_model,
+)
 from mlm_trainer import MaskedLMTrainer
 from model_families import load_tokenizer
 from model_setup import build_model
@@ -38,7 +43,7 @@ def main(cfg: DictConfig) -> None:
     check_config(cfg)  # a `???` value left unset or a mistyped override (num_train_steps=abc) fails here, by name
     quiet_progress_bars_off_a_terminal()  # in a log file a bar is one endless line
     launch = LaunchSettings.from_environment()
-    check_launch(launch, cfg, torch.cuda.is_available())
+    check_launch(launch, cfg, gpu_capability())
     fp8_config = fp8_config_from_accelerate(launch, cfg)
     if fp8_config["enabled"]:
         hand_fp8_to_the_model()  # the model runs FP8 per layer; the Trainer's accelerate sees bf16 only

@@ -109,22 +109,35 @@ def test_data_position_round_trip_and_a_different_process_count(tmp_path):
 
 def test_fsdp_on_cpu_is_refused():
     with pytest.raises(UnsupportedHardwareError, match="FSDP, which needs GPUs"):
-        check_launch(_launch(fsdp=True, use_cpu=True), _compose(), cuda_available=False)
+        check_launch(_launch(fsdp=True, use_cpu=True), _compose(), capability=None)
 
 
 def test_fp8_without_a_gpu_is_refused():
     with pytest.raises(UnsupportedHardwareError, match="fp8 needs an NVIDIA GPU"):
-        check_launch(_launch(precision="fp8"), _compose(), cuda_available=False)
+        check_launch(_launch(precision="fp8"), _compose(), capability=None)
+
+
+@pytest.mark.parametrize(
+    ("capability", "mxfp8", "message"),
+    [
+        ((8, 0), False, "FP8 needs a Ada/Hopper GPU or newer .* this one is 8.0"),
+        ((9, 0), True, "MXFP8 needs a Blackwell"),
+    ],
+)
+def test_fp8_on_a_gpu_without_fp8_tensor_cores_is_refused(monkeypatch, capability, mxfp8, message):
+    monkeypatch.setenv("ACCELERATE_FP8_USE_MXFP8_BLOCK_SCALING", str(mxfp8).lower())
+    with pytest.raises(UnsupportedHardwareError, match=message):
+        check_launch(_launch(precision="fp8"), _compose(), capability=capability)
 
 
 def test_fp8_with_the_stock_model_is_refused():
     with pytest.raises(ConfigError, match="FP8 needs this recipe's TE model"):
-        check_launch(_launch(precision="fp8"), _compose(overrides=["model_implementation=hf"]), cuda_available=True)
+        check_launch(_launch(precision="fp8"), _compose(overrides=["model_implementation=hf"]), capability=(9, 0))
 
 
 def test_fp8_layers_without_an_fp8_launch_are_refused():
     with pytest.raises(ConfigError, match="does not ask for FP8"):
-        check_launch(_launch(), _compose(overrides=["fp8_layers=[1]"]), cuda_available=True)
+        check_launch(_launch(), _compose(overrides=["fp8_layers=[1]"]), capability=(9, 0))
 
 
 @pytest.mark.parametrize(
@@ -134,7 +147,7 @@ def test_fp8_layers_without_an_fp8_launch_are_refused():
 def test_fsdp_config_for_the_other_model_is_refused(layer_class, implementation, advice):
     cfg = _compose(overrides=[f"model_implementation={implementation}"])
     with pytest.raises(ConfigError, match=advice):
-        check_launch(_launch(fsdp=True, fsdp_layer_class=layer_class), cfg, cuda_available=True)
+        check_launch(_launch(fsdp=True, fsdp_layer_class=layer_class), cfg, capability=(9, 0))
 
 
 def test_launch_settings_come_from_accelerate_launch(monkeypatch):
