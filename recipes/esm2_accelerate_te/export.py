@@ -10,7 +10,7 @@ from pathlib import Path
 
 import torch
 from hf_export import write_hf_directory
-from transformers import PreTrainedTokenizerBase, Trainer
+from transformers import EsmForMaskedLM, PreTrainedTokenizerBase, Trainer
 
 
 logger = logging.getLogger(__name__)
@@ -24,7 +24,7 @@ def export_final_model(
     if not trainer.args.should_save:
         return None
     bare = trainer.accelerator.unwrap_model(model)
-    if type(bare).__module__.startswith("transformers."):  # the stock EsmForMaskedLM baseline
+    if isinstance(bare, EsmForMaskedLM):  # the stock baseline (under FSDP2 an FSDPEsmForMaskedLM subclass)
         bare.save_pretrained(output_dir, state_dict=full_state_dict)
         tokenizer.save_pretrained(output_dir)
         logger.info("Exported the stock %s to %s", type(bare).__name__, output_dir)

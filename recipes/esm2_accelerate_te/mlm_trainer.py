@@ -13,6 +13,7 @@ learning-rate schedule, and the masked-LM loss over several micro-batches.
 
 import torch
 import torch.nn.functional as F
+from accelerate.utils import AutocastKwargs
 from perf_logger import PerfLogger
 from scheduler import get_linear_schedule_with_warmup
 from transformers import Trainer
@@ -42,17 +43,53 @@ class MaskedLMTrainer(Trainer):
         train_dataloader: from ``dataset.create_dataloader`` for this process's data-parallel rank.
         lr_scheduler_kwargs: ``num_warmup_steps``, ``num_decay_steps``, ``min_lr_ratio`` (scheduler.py).
         perf: counts each micro-batch's tokens and the step's loss; ``PerfCallback`` logs them.
+        autocast: let accelerate run the forward under ``torch.autocast`` for bf16 (its default). False where the
+            model computes in bf16 without it (FSDP2's MixedPrecisionPolicy casts the weights of each layer).
     """
 
-    def __init__(self, *args, train_dataloader, lr_scheduler_kwargs: dict, perf: PerfLogger, **kwargs):
+    def __init__(
+        self, *args, train_dataloader, lr_scheduler_kwargs: dict, perf: PerfLogger, autocast: bool = True, **kwargs
+    ):
+        self.autocast = autocast  # read while super().__init__ builds the Accelerator
         super().__init__(*args, compute_loss_func=masked_lm_loss, **kwargs)
         self.recipe_dataloader = train_dataloader
         self.recipe_lr_scheduler_kwargs = dict(lr_scheduler_kwargs)
         self.perf = perf
         self.step_loss: torch.Tensor | None = None  # this optimizer step's loss so far, on the device
+        self._flops_per_token: int | None = None
+
+    def _build_accelerator_args(self, **kwargs):
+        args = super()._build_accelerator_args(**kwargs)
+        if not self.autocast:
+            args["kwargs_handlers"] = [*args.get("kwargs_handlers", []), AutocastKwargs(enabled=False)]
+        return args
 
     def get_train_dataloader(self):
         return self.recipe_dataloader
+
+    def get_batch_samples(self, epoch_iterator, num_batches: int, device: torch.device):
+        """The Trainer's prefetch of one optimizer step's micro-batches, moved to the device without waiting for it.
+
+        The Trainer moves each batch with a blocking ``.to(device)``, which waits for the GPU to finish the previous
+        step; so does its count of labelled tokens made on the host. Copying the (pinned) batches asynchronously first
+        keeps the host launching work ahead of the GPU, as the native recipe does; the Trainer's own ``.to(device)``
+        and count then happen on tensors already there.
+        """
+        batches = []
+        for _ in range(num_batches):
+            try:
+                batch = next(epoch_iterator)
+            except StopIteration:
+                break
+            batches.append({k: v.to(device, non_blocking=True) if torch.is_tensor(v) else v for k, v in batch.items()})
+        return batches, self._get_num_items_in_batch(batches, device)
+
+    def floating_point_ops(self, inputs) -> int:
+        # The Trainer's total_flos statistic (not used by this recipe: perf_logger.py computes MFU) counts the
+        # model's parameters for every micro-batch; count them once.
+        if self._flops_per_token is None:
+            self._flops_per_token = 6 * self.model.num_parameters(exclude_embeddings=True)
+        return self._flops_per_token * inputs["input_ids"].numel()
 
     def create_scheduler(self, num_training_steps: int, optimizer: torch.optim.Optimizer | None = None):
         if self.lr_scheduler is None:

@@ -80,6 +80,9 @@ def main(cfg: DictConfig) -> None:
         lr_scheduler_kwargs=cfg.lr_scheduler_kwargs,
         perf=perf,
         processing_class=tokenizer,
+        # Under FSDP2 the layers already compute in bf16 (FSDP2 casts the fp32 weights, as in the native recipe's
+        # train_fsdp2.py); accelerate's autocast on top would only add per-op overhead. DDP needs it for bf16.
+        autocast=not (launch.fsdp and cfg.model_implementation == "nv"),
     )
     trainer.remove_callback(PrinterCallback)  # PerfCallback prints one line per logging step instead
     trainer.add_callback(PerfCallback(trainer, perf, cfg.logger.log_every, fp8_requested=fp8_config["enabled"]))

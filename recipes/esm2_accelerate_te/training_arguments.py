@@ -49,6 +49,9 @@ def training_arguments(cfg: DictConfig, launch: LaunchSettings) -> TrainingArgum
         # The dataloader position is restored from the checkpoint (checkpoints.py), not by skipping batches.
         "ignore_data_skip": True,
         "logging_steps": int(cfg.logger.log_every),
+        # On: the Trainer reads every micro-batch's loss on the host (a GPU sync each time) to skip NaN/inf in its
+        # logged average. Off: the loss logged is the true one, NaN included, and the host runs ahead of the GPU.
+        "logging_nan_inf_filter": False,
         "report_to": "none",  # perf_logger.py writes metrics.jsonl/summary.json and, if enabled, W&B
         "disable_tqdm": True,  # perf_logger.py's bar (on a terminal) counts steps and shows loss and tokens/s
         "remove_unused_columns": False,  # THD batches carry cu_seq_lens_*/max_length_* for the model

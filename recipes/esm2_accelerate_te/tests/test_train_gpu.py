@@ -74,8 +74,11 @@ def test_learns_and_exports(tmp_path, config_file, overrides, num_processes):
     summary = read_summary(tmp_path)
     assert summary["world_size"] == num_processes and summary["median_mfu"] > 0 and summary["peak_memory_gb"] > 0
     assert summary["fp8_modules_with_amax"] == 0  # bf16 runs run no FP8 GEMM
-    if "model_implementation=hf" in overrides:
-        assert AutoConfig.from_pretrained(tmp_path / "final_model").model_type == "esm"
+    if "model_implementation=hf" in overrides:  # saved by transformers itself; loads without remote code
+        export_dir = tmp_path / "final_model"
+        assert AutoConfig.from_pretrained(export_dir).architectures == ["EsmForMaskedLM"]
+        logits = AutoModelForMaskedLM.from_pretrained(export_dir)(input_ids=torch.tensor([[0, 5, 6, 32, 7, 2]])).logits
+        assert torch.isfinite(logits).all()
     else:
         assert_export_loads(tmp_path, step=100)
 
