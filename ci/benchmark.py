@@ -89,7 +89,9 @@ def describe(cfg: dict, accelerate_cfg: dict | None = None) -> dict:
     fp8, fp4 = cfg.get("fp8_config", {}), cfg.get("fp4_config", {})
     if accelerate_cfg is not None:
         precision = accelerate_precision(accelerate_cfg)
-        if accelerate_cfg.get("mixed_precision") == "fp8" and (cfg.get("fp8_layers") or cfg.get("keep_first_last_bf16")):
+        if accelerate_cfg.get("mixed_precision") == "fp8" and (
+            cfg.get("fp8_layers") or cfg.get("keep_first_last_bf16")
+        ):
             precision = precision.replace("layers all", "layers per fp8_layers/keep_first_last_bf16")
     elif fp8.get("enabled") or fp4.get("enabled"):
         parts = [f"fp8 {fp8.get('fp8_recipe')} layers {fp8.get('fp8_layers') or 'all'}"] if fp8.get("enabled") else []
