@@ -195,3 +195,16 @@ def test_training_arguments_follow_the_hydra_config():
 def test_bad_training_settings_are_refused(override, message):
     with pytest.raises(ConfigError, match=message):
         training_arguments(_compose(overrides=[override]), _launch(precision="no", use_cpu=True))
+
+
+# ------------------------------------------------------------------------------------------------ recipe files
+
+
+def test_slurm_script_parses_and_names_shipped_configs():
+    import subprocess
+
+    script = RECIPE_DIR / "slurm.sh"
+    subprocess.run(["bash", "-n", str(script)], check=True)
+    text = script.read_text()
+    assert "accelerate_config/fsdp2_te.yaml" in text and (RECIPE_DIR / "accelerate_config/fsdp2_te.yaml").is_file()
+    assert (RECIPE_DIR / "hydra_config" / "L1_650M.yaml").is_file() and "CONFIG_NAME:-L1_650M" in text

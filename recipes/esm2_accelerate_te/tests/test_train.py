@@ -99,6 +99,31 @@ def test_stock_hf_baseline_trains_and_exports(tmp_path):
     assert read_summary(tmp_path)["steps"] == 5
 
 
+def test_fine_tuning_starts_from_a_stock_checkpoint(tmp_path):
+    """init_from_pretrained=true loads a stock Hugging Face ESM-2 checkpoint into this recipe's model (converted):
+    with lr 0 the export computes exactly what the stock model computes (float32, CPU)."""
+    from transformers import EsmConfig, EsmForMaskedLM
+
+    torch.manual_seed(0)
+    stock_config = EsmConfig(
+        vocab_size=33, hidden_size=64, num_hidden_layers=2, num_attention_heads=4, intermediate_size=256,
+        max_position_embeddings=1026, position_embedding_type="rotary", pad_token_id=1, mask_token_id=32,
+        token_dropout=True, emb_layer_norm_before=False,
+    )  # fmt: skip
+    stock = EsmForMaskedLM(stock_config).eval()
+    stock.save_pretrained(tmp_path / "stock")
+    run = tmp_path / "run"
+    accelerate_launch(
+        "cpu.yaml", f"output_dir={run}", f"model_tag={tmp_path / 'stock'}", "init_from_pretrained=true",
+        "adamw_kwargs.lr=0.0", "lr_scheduler_kwargs.num_warmup_steps=0", *FAST, "num_train_steps=2",
+    )  # fmt: skip
+    config = AutoConfig.from_pretrained(run / "final_model", trust_remote_code=True, backend="torch")
+    exported = AutoModelForMaskedLM.from_pretrained(run / "final_model", config=config, trust_remote_code=True)
+    tokens = torch.tensor([[0, 5, 6, 32, 7, 9, 2]])  # <cls> L A <mask> G ... <eos>
+    with torch.no_grad():
+        torch.testing.assert_close(exported.eval()(input_ids=tokens).logits, stock(input_ids=tokens).logits)
+
+
 def _native_recipe() -> Path:
     return Path(__file__).resolve().parents[2] / "esm2_native_te"
 
