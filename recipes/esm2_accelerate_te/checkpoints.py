@@ -68,6 +68,11 @@ def resume_checkpoint(resume: bool, resume_from: str | None, output_dir: str | P
     return path
 
 
+def checkpoint_step(checkpoint: Path) -> int:
+    """The optimizer step a ``checkpoint-<step>`` directory was saved at."""
+    return int(_STEP_DIR.match(checkpoint.name).group(1))
+
+
 def data_position_file(checkpoint: Path, rank: int) -> Path:
     return checkpoint / DATA_POSITION_DIR / f"rank{rank}.pt"
 

@@ -99,8 +99,7 @@ class MaskedLMTrainer(Trainer):
         return self.lr_scheduler
 
     def training_step(self, model, inputs, num_items_in_batch=None):
-        inputs = self._prepare_inputs(inputs)  # on the device, so that the token counters are too
-        self.perf.count_batch(inputs)
+        self.perf.count_batch(inputs)  # on the device already (get_batch_samples): the counters stay there
         loss = super().training_step(model, inputs, num_items_in_batch)
         self.step_loss = loss if self.step_loss is None else self.step_loss + loss
         return loss

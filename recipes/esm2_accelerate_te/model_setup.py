@@ -26,7 +26,7 @@ from weight_conversion import load_state_dict_exactly
 logger = logging.getLogger(__name__)
 
 IMPLEMENTATIONS = ("nv", "hf")
-NO_FP4 = {"enabled": False}
+NO_FP8 = NO_FP4 = {"enabled": False}
 
 
 @dataclass
@@ -77,7 +77,7 @@ def _build_stock_esm(cfg: DictConfig) -> BuiltModel:
         raise ConfigError(f"model_implementation=hf is the stock ESM-2; {source} holds an {family.name} model")
     if cfg.dataset.input_format != "bshd":
         raise ConfigError("model_implementation=hf takes padded batches only: set dataset.input_format=bshd")
-    nv_config, plan = load_model_config(cfg, {"enabled": False}, NO_FP4)
+    nv_config, plan = load_model_config(cfg, NO_FP8, NO_FP4)
     if family.stock:
         config = EsmConfig.from_pretrained(source)
         for key, value in cfg.model_config_overrides.items():

@@ -8,6 +8,7 @@ import torch
 import torch.nn.functional as F
 from checkpoints import (
     MARKER,
+    checkpoint_step,
     find_resume_checkpoint,
     load_data_position,
     mark_complete,
@@ -76,7 +77,7 @@ def test_resume_from_names_one_checkpoint_which_must_be_complete(tmp_path):
     _checkpoint(tmp_path, 20)
     assert resume_checkpoint(True, None, tmp_path) == tmp_path / "checkpoint-20"
     assert resume_checkpoint(False, None, tmp_path) is None
-    assert resume_checkpoint(True, str(older), tmp_path) == older
+    assert resume_checkpoint(True, str(older), tmp_path) == older and checkpoint_step(older) == 10
     unfinished = _checkpoint(tmp_path, 30, complete=False)
     with pytest.raises(ConfigError, match="did not finish"):
         resume_checkpoint(True, str(unfinished), tmp_path)
