@@ -46,6 +46,16 @@ class PackedBatch:
         cp_size = torch.distributed.get_world_size(self.cp_group)
         return (self.cu_seqlens_padded[1:] - self.cu_seqlens_padded[:-1]) // cp_size
 
+    def positions(self) -> torch.Tensor:
+        """Each packed token's position within its own sequence, e.g. cu_seqlens [0, 3, 5] -> [0, 1, 2, 0, 1]: the
+        index of a learned absolute position embedding (BSHD input padded on the right gives the same positions)."""
+        if self.cu_seqlens_padded is not None:
+            raise NotImplementedError("absolute positions under context parallelism are not implemented")
+        lengths = self.cu_seqlens[1:] - self.cu_seqlens[:-1]
+        total = self.input_ids.shape[0]
+        starts = torch.repeat_interleave(self.cu_seqlens[:-1], lengths, output_size=total)
+        return torch.arange(total, device=self.input_ids.device) - starts
+
     def layer_boundaries(self) -> dict:
         """Keyword arguments that tell a TE (or twin) layer where the sequences are."""
         boundaries = {

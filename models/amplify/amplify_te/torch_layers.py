@@ -164,6 +164,7 @@ class LayerNormLinear(_ExtraStateMixin, nn.Module):
         bias: bool = True,
         normalization: str = "LayerNorm",
         init_method: Callable | None = None,
+        return_layernorm_output: bool = False,
         params_dtype=None,
         device=None,
         **_,
@@ -172,6 +173,7 @@ class LayerNormLinear(_ExtraStateMixin, nn.Module):
         self.eps = eps
         self.normalization = normalization
         self.init_method = init_method or _default_init
+        self.return_layernorm_output = return_layernorm_output
         kwargs = {"dtype": params_dtype, "device": device}
         self.layer_norm_weight = nn.Parameter(torch.empty(in_features, **kwargs))
         self.layer_norm_bias = (
@@ -190,9 +192,11 @@ class LayerNormLinear(_ExtraStateMixin, nn.Module):
         if self.bias is not None:
             nn.init.zeros_(self.bias)
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
+    def forward(self, x: torch.Tensor):
+        """The output, or ``(output, normalised input)`` with ``return_layernorm_output`` (as TE)."""
         normed = _normalize(x, self.normalization, self.layer_norm_weight, self.layer_norm_bias, self.eps)
-        return F.linear(normed, self.weight, self.bias)
+        out = F.linear(normed, self.weight, self.bias)
+        return (out, normed) if self.return_layernorm_output else out
 
 
 class LayerNormMLP(_ExtraStateMixin, nn.Module):
@@ -208,6 +212,7 @@ class LayerNormMLP(_ExtraStateMixin, nn.Module):
         activation: str = "gelu",
         init_method: Callable | None = None,
         output_layer_init_method: Callable | None = None,
+        return_layernorm_output: bool = False,
         params_dtype=None,
         device=None,
         **_,
@@ -216,6 +221,7 @@ class LayerNormMLP(_ExtraStateMixin, nn.Module):
         self.eps = eps
         self.normalization = normalization
         self.activation = activation
+        self.return_layernorm_output = return_layernorm_output
         self.init_method = init_method or _default_init
         self.output_layer_init_method = output_layer_init_method or _default_init
         fc1_out = 2 * ffn_hidden_size if activation in ("swiglu", "geglu") else ffn_hidden_size
@@ -241,10 +247,12 @@ class LayerNormMLP(_ExtraStateMixin, nn.Module):
             if bias is not None:
                 nn.init.zeros_(bias)
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
+    def forward(self, x: torch.Tensor):
+        """The output, or ``(output, normalised input)`` with ``return_layernorm_output`` (as TE)."""
         normed = _normalize(x, self.normalization, self.layer_norm_weight, self.layer_norm_bias, self.eps)
         hidden = _activation(F.linear(normed, self.fc1_weight, self.fc1_bias), self.activation)
-        return F.linear(hidden, self.fc2_weight, self.fc2_bias)
+        out = F.linear(hidden, self.fc2_weight, self.fc2_bias)
+        return (out, normed) if self.return_layernorm_output else out
 
 
 def _rotate_half(x: torch.Tensor) -> torch.Tensor:
@@ -467,9 +475,14 @@ class DotProductAttention(_ExtraStateMixin, nn.Module):
 
 
 class MultiheadAttention(nn.Module):
-    """``te.MultiheadAttention`` (self-attention, input layernorm, fused QKV): ``layernorm_qkv``, ``core_attention``,
-    ``proj``. The fused QKV weight follows TE's layouts: interleaved is [groups, (heads/groups + 2), head_dim] rows,
-    otherwise [(heads/groups + 2), groups, head_dim]."""
+    """``te.MultiheadAttention`` (self-attention, fused QKV): ``layernorm_qkv`` (with ``input_layernorm``, the way
+    ``te.TransformerLayer`` builds it for pre-norm layers) or ``qkv`` (without: post-norm layers), then
+    ``core_attention`` and ``proj``. The fused QKV weight follows TE's layouts: interleaved is
+    [groups, (heads/groups + 2), head_dim] rows, otherwise [(heads/groups + 2), groups, head_dim].
+
+    Unlike a standalone ``te.MultiheadAttention``, ``input_layernorm`` defaults to True: this twin is built by the
+    twin ``TransformerLayer``, which passes ``input_layernorm=not output_layernorm`` as TE's does.
+    """
 
     def __init__(
         self,
@@ -487,12 +500,16 @@ class MultiheadAttention(nn.Module):
         bias: bool = True,
         qkv_format: str = "bshd",
         layer_number: int | None = None,
+        input_layernorm: bool = True,
+        return_layernorm_output: bool = False,
         params_dtype=None,
         device=None,
         **_,
     ):
         super().__init__()
         self.layer_number = layer_number
+        self.input_layernorm = input_layernorm
+        self.return_layernorm_output = return_layernorm_output and input_layernorm
         self.num_heads = num_attention_heads
         self.num_gqa_groups = num_gqa_groups or num_attention_heads
         self.head_dim = kv_channels or hidden_size // num_attention_heads
@@ -500,14 +517,18 @@ class MultiheadAttention(nn.Module):
         self.qkv_format = qkv_format
         common = {"params_dtype": params_dtype, "device": device, "bias": bias}
         qkv_size = (self.num_heads + 2 * self.num_gqa_groups) * self.head_dim
-        self.layernorm_qkv = LayerNormLinear(
-            hidden_size,
-            qkv_size,
-            eps=layernorm_epsilon,
-            normalization=normalization,
-            init_method=init_method,
-            **common,
-        )
+        if input_layernorm:
+            self.layernorm_qkv = LayerNormLinear(
+                hidden_size,
+                qkv_size,
+                eps=layernorm_epsilon,
+                normalization=normalization,
+                init_method=init_method,
+                return_layernorm_output=self.return_layernorm_output,
+                **common,
+            )
+        else:
+            self.qkv = Linear(hidden_size, qkv_size, init_method=init_method, **common)
         self.core_attention = DotProductAttention(
             num_attention_heads,
             self.head_dim,
@@ -541,8 +562,15 @@ class MultiheadAttention(nn.Module):
         max_seqlen_q: int | None = None,
         cu_seqlens_q_padded: torch.Tensor | None = None,
         **_,
-    ) -> torch.Tensor:
-        q, k, v = self._split_qkv(self.layernorm_qkv(hidden_states))
+    ):
+        """The attention output, or ``(output, normalised input)`` with ``return_layernorm_output`` (as TE)."""
+        if self.input_layernorm:
+            mixed = self.layernorm_qkv(hidden_states)
+            if self.return_layernorm_output:
+                mixed, normed = mixed
+        else:
+            mixed = self.qkv(hidden_states)
+        q, k, v = self._split_qkv(mixed)
         cp_group = self.core_attention.cp_group
         if rotary_pos_emb is not None:
             if cp_group is not None:  # this rank's tokens sit at global positions of the padded sequences
@@ -561,13 +589,19 @@ class MultiheadAttention(nn.Module):
             max_seqlen_q=max_seqlen_q,
             cu_seqlens_q_padded=cu_seqlens_q_padded,
         )
-        return self.proj(context)
+        out = self.proj(context)
+        return (out, normed) if self.return_layernorm_output else out
 
 
 class TransformerLayer(nn.Module):
-    """``te.TransformerLayer`` (pre-norm, ``layer_type="encoder"``, no post-layernorm residual):
+    """``te.TransformerLayer`` (``layer_type="encoder"``). By default pre-norm:
 
     ``x = x + dropout(self_attention(x)); x = x + dropout(layernorm_mlp(x))``.
+
+    ``output_layernorm=True`` moves the attention's norm to the layer's output (``layernorm``), and
+    ``apply_residual_connection_post_layernorm=True`` takes the residuals from the norms' outputs, as TE does. The
+    two together are BERT's post-norm layer: ``h = LN_1(x + dropout(attn(x))); out = LN_2(h + dropout(mlp(h)))``,
+    with ``LN_1`` the ``layernorm_mlp``'s norm and ``LN_2`` the output ``layernorm``.
     """
 
     def __init__(
@@ -591,6 +625,8 @@ class TransformerLayer(nn.Module):
         device=None,
         attn_input_format: str = "sbhd",
         layer_number: int | None = None,
+        output_layernorm: bool = False,
+        apply_residual_connection_post_layernorm: bool = False,
         **unused,
     ):
         super().__init__()
@@ -600,6 +636,8 @@ class TransformerLayer(nn.Module):
             )
         common = {"params_dtype": params_dtype, "device": device, "bias": bias, "normalization": normalization}
         self.hidden_dropout = hidden_dropout
+        self.output_layernorm = output_layernorm
+        self.apply_residual_connection_post_layernorm = apply_residual_connection_post_layernorm
         self.self_attention = MultiheadAttention(
             hidden_size,
             num_attention_heads,
@@ -613,6 +651,8 @@ class TransformerLayer(nn.Module):
             qkv_weight_interleaved=qkv_weight_interleaved,
             qkv_format=attn_input_format,
             layer_number=layer_number,
+            input_layernorm=not output_layernorm,
+            return_layernorm_output=apply_residual_connection_post_layernorm,
             **common,
         )
         self.layernorm_mlp = LayerNormMLP(
@@ -622,8 +662,12 @@ class TransformerLayer(nn.Module):
             activation=activation,
             init_method=init_method,
             output_layer_init_method=output_layer_init_method,
+            return_layernorm_output=apply_residual_connection_post_layernorm,
             **common,
         )
+        if output_layernorm:
+            norm_class = {"LayerNorm": LayerNorm, "RMSNorm": RMSNorm}[normalization]
+            self.layernorm = norm_class(hidden_size, eps=layernorm_epsilon, params_dtype=params_dtype, device=device)
 
     def set_context_parallel_group(self, cp_group, cp_global_ranks=None, cp_stream=None, cp_comm_type="p2p") -> None:
         """As ``te.TransformerLayer``: split the self-attention of ``thd`` batches over ``cp_group``."""
@@ -650,6 +694,12 @@ class TransformerLayer(nn.Module):
             max_seqlen_q=max_seqlen_q,
             cu_seqlens_q_padded=cu_seqlens_q_padded,
         )
-        hidden_states = hidden_states + F.dropout(attention_out, self.hidden_dropout, self.training)
-        mlp_out = self.layernorm_mlp(hidden_states)
-        return hidden_states + F.dropout(mlp_out, self.hidden_dropout, self.training)
+        residual = hidden_states
+        if self.self_attention.return_layernorm_output:  # pre-norm with the residual from the norm's output
+            attention_out, residual = attention_out
+        hidden_states = residual + F.dropout(attention_out, self.hidden_dropout, self.training)
+        mlp_out, residual = self.layernorm_mlp(hidden_states), hidden_states
+        if self.apply_residual_connection_post_layernorm:
+            mlp_out, residual = mlp_out
+        output = residual + F.dropout(mlp_out, self.hidden_dropout, self.training)
+        return self.layernorm(output) if self.output_layernorm else output

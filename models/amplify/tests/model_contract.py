@@ -69,6 +69,7 @@ class ModelContract:
     causal_lm: bool = False  # labels are next-token targets: the model shifts them (a sequence scores length - 1)
     padding_sides: tuple[str, ...] = ("right",)  # the BSHD layouts make_batch builds and the model must accept
     supports_generate: bool = False  # the exported model must generate (GenerationMixin)
+    rotary: bool = True  # rotary position embeddings (inv_freq buffers); False: learned absolute positions (BERT)
     tolerance: float = 1e-4  # torch backend vs stock HF in float32: logits and loss (max abs difference)
     grad_atol: float = 1e-5  # ... and gradients (torch.allclose)
     grad_rtol: float = 1e-4
@@ -428,7 +429,7 @@ def test_meta_init_matches_the_configured_init(contract):
         assert not buffer.is_meta and torch.equal(buffer, direct_buffers[name]), name
     hf_inv_freq = [b for n, b in contract.nv_to_hf(deferred).named_buffers() if n.endswith("inv_freq")]
     nv_inv_freq = [b for n, b in deferred.named_buffers() if n.endswith("inv_freq")]
-    assert hf_inv_freq and nv_inv_freq
+    assert bool(hf_inv_freq) == bool(nv_inv_freq) == contract.rotary
     for buffer in nv_inv_freq:
         assert torch.allclose(buffer, hf_inv_freq[0], rtol=1e-6, atol=0)
 

@@ -44,6 +44,12 @@ def cuda(batch: dict) -> dict:
     return {k: v.cuda() if isinstance(v, torch.Tensor) else v for k, v in batch.items()}
 
 
+def qkv_projection(layer: torch.nn.Module) -> torch.nn.Module:
+    """The fused QKV module of a TE layer: ``layernorm_qkv`` (pre-norm) or ``qkv`` (post-norm, BERT)."""
+    attention = layer.self_attention
+    return attention.layernorm_qkv if hasattr(attention, "layernorm_qkv") else attention.qkv
+
+
 # ----------------------------------------------------------------------------------------------------- tests
 
 
@@ -114,7 +120,7 @@ def test_fp8_recipes_train_close_to_bf16(contract, recipe_name, input_format):
     assert abs(fp8_out.loss.item() - bf16_loss.item()) < 0.05 * bf16_loss.item()
     grads = [p.grad for p in fp8_model.parameters() if p.grad is not None]
     assert grads and all(torch.isfinite(g).all() for g in grads)
-    assert transformer_layers(fp8_model)[0].self_attention.layernorm_qkv.fp8
+    assert qkv_projection(transformer_layers(fp8_model)[0]).fp8
 
 
 @pytest.mark.requires_fp8
@@ -129,7 +135,7 @@ def test_layer_precision_is_honoured_per_layer(contract):
     ).to("cuda", torch.bfloat16)
     model(**cuda(contract.make_batch([64, 32]))).loss.backward()
     for layer, wanted in zip(transformer_layers(model), precision, strict=True):
-        assert layer.self_attention.layernorm_qkv.fp8 == (wanted == "fp8")
+        assert qkv_projection(layer).fp8 == (wanted == "fp8")
         assert layer.layernorm_mlp.fp8 == (wanted == "fp8")
 
 
