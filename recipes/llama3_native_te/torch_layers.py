@@ -92,8 +92,8 @@ def _activation(x: torch.Tensor, activation: str) -> torch.Tensor:
     raise ValueError(f"unsupported activation {activation!r}")
 
 
-class LayerNorm(nn.Module):
-    """``te.LayerNorm``: parameters ``weight`` and ``bias``."""
+class LayerNorm(_ExtraStateMixin, nn.Module):
+    """``te.LayerNorm``: parameters ``weight`` and ``bias`` (and, as TE's fusible operations have, ``_extra_state``)."""
 
     def __init__(self, hidden_size: int, eps: float = 1e-5, params_dtype=None, device=None, **_):
         super().__init__()
@@ -109,8 +109,8 @@ class LayerNorm(nn.Module):
         return F.layer_norm(x, (x.shape[-1],), self.weight, self.bias, self.eps)
 
 
-class RMSNorm(nn.Module):
-    """``te.RMSNorm``: parameter ``weight``."""
+class RMSNorm(_ExtraStateMixin, nn.Module):
+    """``te.RMSNorm``: parameter ``weight`` (and ``_extra_state``, as ``te.LayerNorm``)."""
 
     def __init__(self, hidden_size: int, eps: float = 1e-5, params_dtype=None, device=None, **_):
         super().__init__()
