@@ -1,9 +1,10 @@
-# Copied from common/protein/collator.py — edit the source, then run ci/check_copies.py --fix
-"""Masked-LM masking and batch collation for ESM-2 and AMPLIFY pre-training: mask, then pad (BSHD) or pack (THD),
-padded for CP.
+# Copied from common/mlm_collator.py — edit the source, then run ci/check_copies.py --fix
+"""Masked-LM masking and batch collation, shared by every masked-LM recipe (ESM-2 and AMPLIFY on protein
+sequences, Geneformer on rank-value encoded cells): mask, then pad (BSHD) or pack (THD), padded for CP.
 
-A *sample* (what ``dataset.py`` yields) is a dict ``{"input_ids": 1-D int array incl. the start and end tokens,
-"epoch": int, "sample_index": int}``. The collators turn a list of samples into the batch contract the model's forward accepts:
+A *sample* (what ``dataset.py`` yields) is a dict ``{"input_ids": 1-D int array of token ids (with the start and
+end tokens where the model has them), "epoch": int, "sample_index": int}``. The collators turn a list of samples into
+the batch contract the model's forward accepts:
 
 - BSHD: ``input_ids``/``attention_mask``/``labels`` ``[B, S]`` int64, right-padded with ``<pad>``; labels are -100
   where there is no loss.
@@ -37,13 +38,16 @@ import torch
 
 
 IGNORE_INDEX = -100
-# Random replacements are real residues L..O (ids 4..28): never a special token, '.', '-', <null_1> or <mask>.
+# The default random replacements are the protein vocabularies' real residues L..O (ids 4..28): never a special
+# token, '.', '-', <null_1> or <mask>. Other vocabularies pass their own ``random_token_ids`` (Geneformer: every
+# gene id, none of <pad>/<mask>).
 RANDOM_TOKEN_IDS = (4, 29)  # half-open range
 
 
 class MLMMasker:
-    """BERT-style masking: select ``mlm_probability`` of the residues; of those 80% -> <mask>, 10% -> random residue,
-    10% unchanged. Special tokens (<cls>/<bos>, <eos>, <pad>, <unk>, <mask>) are never selected."""
+    """BERT-style masking: select ``mlm_probability`` of the tokens; of those 80% -> <mask>, 10% -> a random token id
+    from ``random_token_ids`` (half-open range), 10% unchanged. Special tokens (<cls>/<bos>, <eos>, <pad>, <unk>,
+    <mask>) are never selected."""
 
     def __init__(
         self,
@@ -62,8 +66,14 @@ class MLMMasker:
         self.random_token_ids = random_token_ids
 
     @classmethod
-    def from_tokenizer(cls, tokenizer, seed: int, mlm_probability: float = 0.15) -> "MLMMasker":
-        return cls(tokenizer.mask_token_id, tokenizer.all_special_ids, seed, mlm_probability)
+    def from_tokenizer(
+        cls,
+        tokenizer,
+        seed: int,
+        mlm_probability: float = 0.15,
+        random_token_ids: tuple[int, int] = RANDOM_TOKEN_IDS,
+    ) -> "MLMMasker":
+        return cls(tokenizer.mask_token_id, tokenizer.all_special_ids, seed, mlm_probability, random_token_ids)
 
     def _rng(self, epoch: int, sample_index: int) -> np.random.Generator:
         # SeedSequence mixes the three integers, so neighbouring samples get unrelated streams.

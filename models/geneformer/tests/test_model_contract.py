@@ -53,10 +53,13 @@ CONTRACTS = {
         modeling_files=("modeling_geneformer_te.py", "torch_layers.py", "packing.py", "meta_init.py"),
         te_hf_model=partial(stock_model, **{**shape_of("geneformer_10M"), "num_hidden_layers": 4}),
         rotary=False,
-        # Not the position embeddings: each of their rows sums the gradients of at most 4 tokens (one per cell), so
-        # bf16 rounding alone moves it by ~6% (1xH100); the word embeddings get the same signal through the layers.
+        # ReLU and post-norm make bf16 gradients of this model noisy in either backend: measured on 1xH100 against
+        # the fp32 gradients of the same weights, the worst parameter is 9.0% off with the torch twins and 8.9% with
+        # TE (TE vs torch: 6.3%), where ESM-2's GELU pre-norm layers stay within 5%. So 8% here, not the default 5%.
+        bf16_grad_tolerance=0.08,
         te_checked_gradients=(
             "bert.embeddings.word_embeddings.weight",
+            "bert.embeddings.position_embeddings.weight",
             "bert.encoder.layers.0.self_attention.qkv.weight",
             "bert.encoder.layers.2.layernorm_mlp.fc1_weight",
             "bert.encoder.layers.3.self_attention.proj.weight",

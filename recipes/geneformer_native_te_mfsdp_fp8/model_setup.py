@@ -1,0 +1,297 @@
+"""Building the model, the one way every entrypoint does it: config, tokenizer, precision plan, construction,
+pretrained weights, sharding, init.
+
+``model_tag`` is a directory (or Hugging Face Hub id) holding a ``config.json``: one of this recipe's
+``model_configs/`` (Geneformer 10M, 106M, 4B) to pre-train from scratch, an export of this recipe, or a stock
+Hugging Face ``BertForMaskedLM`` checkpoint such as a published Geneformer model (converted on load). With
+``init_from_pretrained: true`` its weights are loaded too: fine-tuning.
+
+``build_model(cfg, device, meshes, strategy)`` returns a :class:`BuiltModel`. Strategies:
+
+- ``"ddp"``: the whole model on every rank, wrapped in ``DistributedDataParallel`` when a process group exists;
+- ``"fsdp2"``: each transformer layer, then the root (embeddings, MLM head), sharded over ``meshes.fsdp`` with
+  ``fully_shard`` and the one mixed-precision policy (``mixed_precision.mixed_precision_policy``); built on the
+  meta device when ``fsdp.use_meta_device``, so each rank materialises only its own shards;
+- ``"mfsdp"``: Megatron-FSDP (CUDA only) over the ``("dp", "tp")`` mesh in ``meshes.fsdp``. It shards the model and
+  its optimizer together, so for this strategy the optimizer is built here too.
+"""
+
+import contextlib
+import logging
+import math
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+from convert import convert_geneformer_hf_to_te, nv_config_from_hf
+from distributed import Meshes
+from gene_tokenizer import build_gene_tokenizer
+from mixed_precision import computes_in_bf16, keeps_fp32_master_weights, mixed_precision_policy
+from modeling_geneformer_te import NVGeneformerConfig, NVGeneformerForMaskedLM, resolve_backend
+from omegaconf import DictConfig, OmegaConf
+from perf_logger import ModelFlops
+from quantization import QuantizationPlan, build_quantization, check_quantization_supported
+from recipe_paths import looks_like_hub_id, model_directory, recipe_path, tokenizer_source
+from torch.distributed.checkpoint.state_dict import StateDictOptions, set_model_state_dict
+from torch.distributed.fsdp import fully_shard
+from torch.distributed.tensor import DTensor
+from torch.nn.parallel import DistributedDataParallel
+from transformers import AutoTokenizer, BertConfig, BertForMaskedLM, PretrainedConfig, PreTrainedTokenizerBase
+from user_errors import ConfigError, UnsupportedHardwareError
+from weight_conversion import load_state_dict_exactly
+
+
+logger = logging.getLogger(__name__)
+
+STRATEGIES = ("ddp", "fsdp2", "mfsdp")
+PRETRAINED_MISMATCH = (
+    "the model_tag weights do not fit this model: drop the model_config_overrides that change its shape"
+)
+
+
+# ----------------------------------------------------------------------------------------- config and weights
+
+
+def model_source(cfg: DictConfig) -> str:
+    """``model_tag`` as a local directory when one exists (recipe-relative paths included), else as a Hub id."""
+    if recipe_path(cfg.model_tag).exists() or not looks_like_hub_id(str(cfg.model_tag)):
+        return str(model_directory(cfg.model_tag, weights=cfg.init_from_pretrained))
+    return str(cfg.model_tag)
+
+
+def is_stock_bert(source: str) -> bool:
+    """True for a stock ``BertForMaskedLM`` (published Geneformer), False for this project's config or export."""
+    config = PretrainedConfig.get_config_dict(source)[0]
+    if any(name.startswith("NVGeneformer") for name in config.get("architectures") or []):
+        return False
+    if config.get("model_type") == "bert":
+        return True
+    raise ConfigError(
+        f"model_tag {source} holds a {config.get('model_type')!r} model, not Geneformer (BERT): point it at one of "
+        "this recipe's model_configs/, an export of this recipe, or a published Geneformer (BertForMaskedLM) checkpoint"
+    )
+
+
+def read_model_config(source: str, **overrides) -> NVGeneformerConfig:
+    """The NV config of ``source`` with ``overrides`` applied and checked (``from_pretrained`` sets them after the
+    config's own checks have run)."""
+    if is_stock_bert(source):
+        config = nv_config_from_hf(BertConfig.from_pretrained(source), **overrides)
+    else:
+        config = NVGeneformerConfig.from_pretrained(source, **overrides)
+    if "vocab_size" in overrides and "padded_vocab_size" not in overrides:  # pad the new vocabulary, not the file's
+        config.padded_vocab_size = 64 * math.ceil(config.vocab_size / 64)
+    config.validate_nv_geneformer()
+    return config
+
+
+def load_model_config(cfg: DictConfig) -> tuple[NVGeneformerConfig, QuantizationPlan]:
+    """config.json from ``model_tag``, this run's overrides, and the per-layer FP8/FP4 plan the model needs."""
+    source = model_source(cfg)
+    overrides = OmegaConf.to_container(cfg.model_config_overrides)
+    unknown = sorted(set(overrides) - set(read_model_config(source).to_dict()))
+    if unknown:
+        raise ConfigError(
+            f"model_config_overrides has keys {unknown} that {source}/config.json does not have; check their spelling"
+        )
+    try:
+        config = read_model_config(source, **overrides)
+    except ValueError as error:  # NVGeneformerConfig names every setting it cannot honour
+        raise ConfigError(f"{error}: change model_config_overrides") from None
+    fp8_config, fp4_config = OmegaConf.to_container(cfg.fp8_config), OmegaConf.to_container(cfg.fp4_config)
+    if fp8_config["enabled"] or fp4_config["enabled"]:
+        bad = [
+            f"{k} {v}"
+            for k, v in (("hidden_size", config.hidden_size), ("intermediate_size", config.intermediate_size))
+            if v % 16
+        ]
+        if bad:  # TE asserts this deep in the first forward otherwise
+            raise ConfigError(f"FP8/FP4 layers need multiples of 16, got {', '.join(bad)}: change the model shape")
+    plan = build_quantization(fp8_config, fp4_config, config.num_hidden_layers)
+    config.layer_precision = plan.layer_precision
+    return config, plan
+
+
+def load_tokenizer(cfg: DictConfig, config: NVGeneformerConfig) -> PreTrainedTokenizerBase:
+    """``tokenizer_path``: ``auto`` (the export's own tokenizer if ``model_tag`` has one, else the id tokenizer of the
+    model's vocabulary: cells are token ids), a tokenizer directory, or a gene token dictionary file (.pkl/.json).
+    It must fit the model: its vocabulary size and <pad>/<mask> ids."""
+    path = cfg.tokenizer_path
+    if path == "auto":
+        source = recipe_path(cfg.model_tag)
+        if (source / "tokenizer.json").is_file():
+            tokenizer = AutoTokenizer.from_pretrained(source)
+        else:
+            tokenizer = build_gene_tokenizer(vocab_size=config.vocab_size)
+    elif Path(str(path)).suffix in (".pkl", ".pickle", ".json") and recipe_path(path).is_file():
+        try:
+            tokenizer = build_gene_tokenizer(recipe_path(path))
+        except ValueError as error:
+            raise ConfigError(f"tokenizer_path={path}: {error}") from None
+    else:
+        tokenizer = AutoTokenizer.from_pretrained(tokenizer_source(path))
+    found = (len(tokenizer), tokenizer.pad_token_id, tokenizer.mask_token_id)
+    expected = (config.vocab_size, config.pad_token_id, config.mask_token_id)
+    if found != expected:
+        raise ConfigError(
+            f"tokenizer_path={path} does not fit the model: (vocabulary size, <pad> id, <mask> id) = {found}, the "
+            f"model has {expected}; use a tokenizer or gene dictionary of the model's vocabulary"
+        )
+    return tokenizer
+
+
+def load_pretrained_state_dict(cfg: DictConfig) -> dict[str, torch.Tensor] | None:
+    """Full (CPU, float32) weights from ``model_tag`` when ``init_from_pretrained`` is set, else None."""
+    if not cfg.init_from_pretrained:
+        return None
+    source = model_source(cfg)
+    if is_stock_bert(source):
+        model = convert_geneformer_hf_to_te(
+            BertForMaskedLM.from_pretrained(source, dtype=torch.float32), backend="torch"
+        )
+    else:
+        model = NVGeneformerForMaskedLM.from_pretrained(source, backend="torch", dtype=torch.float32)
+    logger.info("Fine-tuning from the weights in %s", source)
+    return {k: v for k, v in model.state_dict().items() if not k.endswith("_extra_state")}
+
+
+def apply_pretrained_weights(model: torch.nn.Module, state: dict[str, torch.Tensor] | None) -> None:
+    """Copy ``state`` into ``model``, whole or FSDP2-sharded; every weight must be there with its shape."""
+    if state is None:
+        return
+    if not any(isinstance(p, DTensor) for p in model.parameters()):
+        try:
+            load_state_dict_exactly(model, state, "the pretrained checkpoint")
+        except ValueError as error:
+            raise ConfigError(f"{error}; {PRETRAINED_MISMATCH}") from None
+        return
+    result = set_model_state_dict(model, state, options=StateDictOptions(full_state_dict=True, strict=False))
+    missing = [key for key in result.missing_keys if not key.endswith("_extra_state")]
+    if missing or result.unexpected_keys:
+        raise ConfigError(
+            f"cannot load the pretrained checkpoint: missing keys {missing[:5]}, "
+            f"unexpected {result.unexpected_keys[:5]}; {PRETRAINED_MISMATCH}"
+        )
+
+
+# ------------------------------------------------------------------------------------------------ the model
+
+
+@dataclass
+class BuiltModel:
+    """What the entrypoints use of the model."""
+
+    # Parameters for the optimizer, checkpoints and export: the bare model (DDP), sharded in place (FSDP2), or
+    # Megatron-FSDP's wrapper (its ``.module`` is the model).
+    model: torch.nn.Module
+    train_model: torch.nn.Module  # what the loop calls: the DDP wrapper and/or torch.compile of ``model``
+    config: NVGeneformerConfig
+    tokenizer: PreTrainedTokenizerBase
+    plan: QuantizationPlan
+    model_flops: ModelFlops
+    strategy: str
+    ddp: DistributedDataParallel | None = None
+    optimizer: torch.optim.Optimizer | None = None  # "mfsdp" only: sharded together with the model
+
+    def gradient_sync(self, enabled: bool) -> contextlib.AbstractContextManager:
+        """Reduce gradients in this backward (``enabled``) or only accumulate them locally (earlier micro-batches)."""
+        if self.strategy == "fsdp2":
+            self.model.set_requires_gradient_sync(enabled)
+            return contextlib.nullcontext()
+        if enabled:
+            return contextlib.nullcontext()
+        if self.strategy == "mfsdp":
+            return self.model.no_sync()
+        return self.ddp.no_sync() if self.ddp is not None else contextlib.nullcontext()
+
+
+def build_model(cfg: DictConfig, device: torch.device, meshes: Meshes | None, strategy: str) -> BuiltModel:
+    """The model of this run, built, placed (and sharded) for ``strategy``: initialised from ``cfg.seed``'s RNG, or
+    with ``init_from_pretrained`` from the weights in ``model_tag``. ``meshes`` may be None for ``"ddp"``."""
+    if strategy not in STRATEGIES:
+        raise ValueError(f"strategy must be one of {STRATEGIES}, got {strategy!r}")
+    config, plan = load_model_config(cfg)
+    tokenizer = load_tokenizer(cfg, config)
+    check_quantization_supported(plan, device)  # FP8/FP4 on a machine that cannot run it fails here
+    try:
+        resolve_backend(config.backend)  # backend=te on a machine without TE or a GPU fails here, in one line
+    except RuntimeError as error:
+        raise UnsupportedHardwareError(f"{error} (+model_config_overrides.backend=torch)") from None
+    pretrained = load_pretrained_state_dict(cfg)
+    if strategy == "mfsdp":
+        return _build_megatron_fsdp(cfg, device, meshes, config, tokenizer, plan, pretrained)
+
+    on_meta = strategy == "fsdp2" and cfg.fsdp.use_meta_device
+    with torch.device("meta" if on_meta else device):
+        model = NVGeneformerForMaskedLM(config, fp8_recipe=plan.fp8_recipe, fp4_recipe=plan.fp4_recipe)
+    if strategy == "ddp":
+        apply_pretrained_weights(model, pretrained)
+    if computes_in_bf16(cfg.mixed_precision, device) and not keeps_fp32_master_weights(cfg.mixed_precision, device):
+        model.to(torch.bfloat16)  # bf16 weights and optimizer state: less memory, no fp32 master copy
+    model_flops = ModelFlops.from_model(model, config.num_hidden_layers, config.hidden_size)
+    _log_model(model)
+
+    ddp = None
+    if strategy == "fsdp2":
+        policy = mixed_precision_policy(cfg.mixed_precision, device)
+        reshard = cfg.fsdp.reshard_after_forward
+        for layer in model.bert.encoder.layers:
+            fully_shard(layer, mesh=meshes.fsdp, mp_policy=policy, reshard_after_forward=reshard)
+        fully_shard(model, mesh=meshes.fsdp, mp_policy=policy, reshard_after_forward=reshard)
+        if on_meta:
+            model.init_empty_weights(device)
+        apply_pretrained_weights(model, pretrained)  # fine-tuning: every rank loads its own shards
+        train_model = model
+    else:
+        # The same random init on every rank (same seed), and DDP broadcasts rank 0's weights anyway.
+        if dist.is_initialized():
+            device_ids = [device.index] if device.type == "cuda" else None
+            ddp = DistributedDataParallel(model, device_ids=device_ids, broadcast_buffers=False)
+        train_model = ddp or model
+    if cfg.use_torch_compile:
+        train_model = torch.compile(train_model)
+    return BuiltModel(model, train_model, config, tokenizer, plan, model_flops, strategy, ddp)
+
+
+def _build_megatron_fsdp(cfg, device, meshes, config, tokenizer, plan, pretrained) -> BuiltModel:
+    """Megatron-FSDP: the model built whole on this GPU, then sharded together with its optimizer.
+
+    Megatron-FSDP's meta-device path would initialise weights with each module's reset_parameters(), not the model's
+    own initialisation, so it is not used. Its fp32 main weights live in its own sharded buffers, so the model itself
+    is cast to bf16 whenever bf16 compute is on.
+    """
+    import megatron_fsdp
+
+    with torch.device(device):
+        model = NVGeneformerForMaskedLM(config, fp8_recipe=plan.fp8_recipe, fp4_recipe=plan.fp4_recipe)
+    apply_pretrained_weights(model, pretrained)
+    if cfg.mixed_precision.enabled:
+        model.to(torch.bfloat16)  # compute weights; fp32 main weights live in Megatron-FSDP's buffers
+    model_flops = ModelFlops.from_model(model, config.num_hidden_layers, config.hidden_size)
+    _log_model(model)
+
+    # Each transformer layer is one FSDP unit; the optimizer's parameter groups are rebuilt over the shards.
+    optimizer = torch.optim.AdamW(model.parameters(), **cfg.adamw_kwargs, fused=True)
+    policy = megatron_fsdp.MixedPrecisionPolicy(
+        main_params_dtype=torch.float32 if cfg.mixed_precision.fp32_master_weights else None,
+        main_grads_dtype=torch.float32,
+    )
+    model, optimizer = megatron_fsdp.fully_shard(
+        model,
+        optimizer,
+        device_mesh=meshes.fsdp,
+        dp_shard_dim="dp",
+        tp_dim="tp",
+        fsdp_unit_modules=[type(model.bert.encoder.layers[0])],
+        zero_dp_strategy=cfg.fsdp.mfsdp_zero_dp_strategy,
+        mixed_precision_policy=policy,
+        device=device,
+    )
+    train_model = torch.compile(model) if cfg.use_torch_compile else model
+    return BuiltModel(model, train_model, config, tokenizer, plan, model_flops, "mfsdp", optimizer=optimizer)
+
+
+def _log_model(model: NVGeneformerForMaskedLM) -> None:
+    millions = sum(p.numel() for p in model.parameters()) / 1e6
+    logger.info("Model: Geneformer, %s backend, %.1fM parameters", model.backend, millions)

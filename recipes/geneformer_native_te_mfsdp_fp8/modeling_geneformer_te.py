@@ -1,0 +1,409 @@
+# Copied from models/geneformer/geneformer_te/modeling_geneformer_te.py — edit the source, then run ci/check_copies.py --fix
+"""Geneformer with TransformerEngine layers, Hugging Face compatible, that also runs without TE.
+
+Geneformer (Theodoris et al. 2023) is BERT trained by masked-gene prediction on single-cell transcriptomes written
+as rank-value encodings: each cell is its genes sorted by normalised expression, as token ids. The architecture is
+Hugging Face's ``BertForMaskedLM``: word + learned absolute position + token-type embeddings, LayerNorm and dropout;
+post-norm encoder layers (LayerNorm after each residual add), a ReLU (or GELU) FFN; the MLM head dense -> activation
+-> LayerNorm -> decoder tied to the word embeddings, plus a bias. Two backends build it with the same parameter names
+and state-dict keys:
+
+* ``te``: ``transformer_engine.pytorch.TransformerLayer`` with ``output_layernorm=True`` and
+  ``apply_residual_connection_post_layernorm=True`` (TE's BERT layer: fused QKV, fused attention, FP8/FP4);
+* ``torch``: the pure-PyTorch twins in ``torch_layers.py``, used on CPUs and wherever TE is missing.
+
+``config.backend`` chooses: ``auto`` (TE when it imports and CUDA is available), ``te`` or ``torch``.
+
+Inputs come as BSHD (``input_ids`` [batch, seq] + ``attention_mask``, padded on the right, as BERT's absolute
+positions count from the first column) or THD (packed ``input_ids`` [1, tokens] with ``cu_seq_lens_q/k`` and
+``max_length_q/k``). The encoder always runs on packed tokens: BSHD input is unpadded on the way in and re-padded on
+the way out, so no compute is spent on padding and no cell attends to another. Position embeddings restart at 0 for
+every packed cell.
+
+This file is self-contained apart from ``torch_layers.py``, ``packing.py`` and ``meta_init.py`` beside it, so the four
+can be copied into a recipe and shipped inside an exported checkpoint (``trust_remote_code=True``).
+"""
+
+import contextlib
+import math
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+from transformers import BertConfig, PreTrainedModel
+from transformers.modeling_outputs import BaseModelOutput, MaskedLMOutput
+
+
+try:  # package import (models/geneformer, exported checkpoints)
+    from .meta_init import materialize_meta_model
+    from .packing import PackedBatch, pack_inputs, token_mean_loss
+    from .torch_layers import TransformerLayer as TorchTransformerLayer
+except ImportError:  # flat copy inside a recipe folder
+    from meta_init import materialize_meta_model
+    from packing import PackedBatch, pack_inputs, token_mean_loss
+    from torch_layers import TransformerLayer as TorchTransformerLayer
+
+try:
+    import transformer_engine.pytorch as te
+
+    _TE_IMPORT_ERROR = None
+except Exception as error:  # ImportError, or a broken CUDA install raising at import
+    te = None
+    _TE_IMPORT_ERROR = error
+
+
+AUTO_MAP = {
+    "AutoConfig": "modeling_geneformer_te.NVGeneformerConfig",
+    "AutoModel": "modeling_geneformer_te.NVGeneformerModel",
+    "AutoModelForMaskedLM": "modeling_geneformer_te.NVGeneformerForMaskedLM",
+}
+
+BACKENDS = ("auto", "te", "torch")
+LAYER_PRECISIONS = (None, "fp8", "fp4")
+ACTIVATIONS = ("relu", "gelu")  # TE's names; TE's "gelu" is the tanh approximation, the torch backend's the exact one
+
+
+class NVGeneformerConfig(BertConfig):
+    """``BertConfig`` with Geneformer's defaults (the 10M model: 6 layers, hidden 256), plus the backend, vocabulary
+    padding and per-layer precision."""
+
+    # The stock model type, so that a plain ``AutoTokenizer.from_pretrained(export)`` finds a config class without
+    # running custom code and never asks to. Our classes load through ``auto_map`` with ``trust_remote_code=True``.
+    model_type = "bert"
+
+    vocab_size: int = 25_426  # <pad> = 0, <mask> = 1 and 25,424 genes (Genecorpus-30M)
+    hidden_size: int = 256
+    num_hidden_layers: int = 6
+    num_attention_heads: int = 4
+    intermediate_size: int = 512
+    hidden_act: str = "relu"
+    hidden_dropout_prob: float | int = 0.02
+    attention_probs_dropout_prob: float | int = 0.02
+    max_position_embeddings: int = 2048
+    layer_norm_eps: float = 1e-12
+    pad_token_id: int | None = 0
+    mask_token_id: int | None = 1
+    # "auto" | "te" | "torch"; see module docstring.
+    backend: str = "auto"
+    # Embedding/LM-head rows, rounded up so the vocabulary GEMM is well aligned. None: vocab_size rounded to 64.
+    padded_vocab_size: int | None = None
+    # One entry per layer: None (bf16/fp32), "fp8" or "fp4"; the matching TE recipe is passed to the model.
+    layer_precision: list | None = None
+
+    def __post_init__(self, **kwargs):
+        super().__post_init__(**kwargs)
+        if self.padded_vocab_size is None and self.vocab_size is not None:
+            self.padded_vocab_size = 64 * math.ceil(self.vocab_size / 64)
+        self.validate_nv_geneformer()
+
+    def validate_nv_geneformer(self) -> None:
+        """Raise ``ValueError`` naming every setting this implementation cannot honour."""
+        problems = []
+        if self.backend not in BACKENDS:
+            problems.append(f"backend must be one of {BACKENDS}, got {self.backend!r}")
+        if self.hidden_act not in ACTIVATIONS:
+            problems.append(f"hidden_act must be one of {ACTIVATIONS}, got {self.hidden_act!r}")
+        if self.is_decoder or self.add_cross_attention:
+            problems.append("Geneformer is an encoder: is_decoder and add_cross_attention must be False")
+        if self.hidden_size % self.num_attention_heads:
+            problems.append(
+                f"hidden_size ({self.hidden_size}) must be divisible by num_attention_heads ({self.num_attention_heads})"
+            )
+        if self.vocab_size is None or self.vocab_size <= 0:
+            problems.append(f"vocab_size must be positive, got {self.vocab_size!r}")
+        elif self.padded_vocab_size < self.vocab_size:
+            problems.append(f"padded_vocab_size ({self.padded_vocab_size}) < vocab_size ({self.vocab_size})")
+        if self.max_position_embeddings <= 0 or self.type_vocab_size <= 0:
+            problems.append("max_position_embeddings and type_vocab_size must be positive")
+        if self.layer_precision is not None:
+            if len(self.layer_precision) != self.num_hidden_layers:
+                problems.append(
+                    f"layer_precision has {len(self.layer_precision)} entries for {self.num_hidden_layers} layers"
+                )
+            bad = sorted({str(p) for p in self.layer_precision if p not in LAYER_PRECISIONS})
+            if bad:
+                problems.append(f"layer_precision entries must be None, 'fp8' or 'fp4', got {bad}")
+        if problems:
+            raise ValueError("Invalid NVGeneformerConfig: " + "; ".join(problems))
+
+
+def resolve_backend(requested: str) -> str:
+    """Map ``auto`` to a concrete backend; refuse ``te`` where it cannot run."""
+    te_usable = _TE_IMPORT_ERROR is None and torch.cuda.is_available()
+    if requested == "te" and not te_usable:
+        reason = f"TransformerEngine failed to import ({_TE_IMPORT_ERROR!r})" if te is None else "no CUDA device"
+        raise RuntimeError(f"backend='te' was requested but cannot run here: {reason}. Use backend='torch' or 'auto'.")
+    if requested == "auto":
+        return "te" if te_usable else "torch"
+    return requested
+
+
+def _activation(x: torch.Tensor, name: str) -> torch.Tensor:
+    return F.relu(x) if name == "relu" else F.gelu(x)  # exact GELU, as BERT's head
+
+
+class NVGeneformerEmbeddings(nn.Module):
+    """Word + absolute position (restarting at every packed cell) + token-type embeddings, LayerNorm, dropout."""
+
+    def __init__(self, config: NVGeneformerConfig):
+        super().__init__()
+        self.word_embeddings = nn.Embedding(
+            config.padded_vocab_size, config.hidden_size, padding_idx=config.pad_token_id
+        )
+        self.position_embeddings = nn.Embedding(config.max_position_embeddings, config.hidden_size)
+        self.token_type_embeddings = nn.Embedding(config.type_vocab_size, config.hidden_size)
+        self.layer_norm = nn.LayerNorm(config.hidden_size, eps=config.layer_norm_eps)
+        self.dropout = nn.Dropout(config.hidden_dropout_prob)
+        self.max_positions = config.max_position_embeddings
+
+    def forward(self, packed: PackedBatch, token_type_ids: torch.Tensor | None = None) -> torch.Tensor:
+        if packed.max_seqlen > self.max_positions:
+            raise ValueError(
+                f"a sequence of {packed.max_seqlen} tokens is longer than max_position_embeddings "
+                f"({self.max_positions}): truncate the cells to at most {self.max_positions} genes"
+            )
+        embeddings = self.word_embeddings(packed.input_ids) + self.position_embeddings(packed.positions())
+        if token_type_ids is None:  # every token of type 0, as BERT assumes when none are given
+            embeddings = embeddings + self.token_type_embeddings.weight[0]
+        else:
+            embeddings = embeddings + self.token_type_embeddings(token_type_ids)
+        return self.dropout(self.layer_norm(embeddings))
+
+
+class NVGeneformerEncoder(nn.Module):
+    def __init__(self, config: NVGeneformerConfig, backend: str):
+        super().__init__()
+        self.backend = backend
+        layer_class = te.TransformerLayer if backend == "te" else TorchTransformerLayer
+        std = config.initializer_range
+
+        def init_method(weight: torch.Tensor) -> None:
+            nn.init.normal_(weight, mean=0.0, std=std)
+
+        device_kwargs = {}
+        if backend == "te":  # TE allocates on CUDA unless told otherwise; honour a meta-device context
+            device_kwargs["device"] = "meta" if torch.empty(0).device.type == "meta" else "cuda"
+        self.layers = nn.ModuleList(
+            layer_class(
+                hidden_size=config.hidden_size,
+                ffn_hidden_size=config.intermediate_size,
+                num_attention_heads=config.num_attention_heads,
+                kv_channels=config.hidden_size // config.num_attention_heads,
+                layernorm_epsilon=config.layer_norm_eps,
+                hidden_dropout=config.hidden_dropout_prob,
+                attention_dropout=config.attention_probs_dropout_prob,
+                init_method=init_method,
+                output_layer_init_method=init_method,
+                layer_number=index + 1,
+                self_attn_mask_type="padding",
+                layer_type="encoder",
+                normalization="LayerNorm",
+                activation=config.hidden_act,
+                bias=True,
+                # BERT's post-norm layer: LayerNorm after each residual add (see torch_layers.TransformerLayer).
+                output_layernorm=True,
+                apply_residual_connection_post_layernorm=True,
+                fuse_qkv_params=True,
+                qkv_weight_interleaved=True,
+                attn_input_format="thd",
+                params_dtype=config.dtype if isinstance(config.dtype, torch.dtype) else torch.float32,
+                **device_kwargs,
+            )
+            for index in range(config.num_hidden_layers)
+        )
+
+
+def _is_backend_layer(module: nn.Module) -> bool:
+    """A TE or torch_layers module that owns parameters and knows how to initialise them."""
+    origin = type(module).__module__
+    return (
+        hasattr(module, "reset_parameters")
+        and (origin.startswith("transformer_engine") or origin == TorchTransformerLayer.__module__)
+        and any(True for _ in module.parameters(recurse=False))
+    )
+
+
+class NVGeneformerPreTrainedModel(PreTrainedModel):
+    config_class = NVGeneformerConfig
+    config: NVGeneformerConfig
+    base_model_prefix = "bert"
+    _no_split_modules = ["TransformerLayer"]
+    # TE keeps FP8 scaling state in `_extra_state`; it is runtime bookkeeping, not part of a published model.
+    _keys_to_ignore_on_load_missing = [r"_extra_state"]
+    _keys_to_ignore_on_load_unexpected = [r"_extra_state"]
+
+    @torch.no_grad()
+    def _init_weights(self, module: nn.Module) -> None:
+        """BERT's init: normal(initializer_range) matrices and embeddings, zero biases, unit LayerNorms."""
+        std = self.config.initializer_range
+        if isinstance(module, nn.Embedding | nn.Linear):
+            nn.init.normal_(module.weight, mean=0.0, std=std)
+            if getattr(module, "bias", None) is not None:
+                nn.init.zeros_(module.bias)
+        elif isinstance(module, nn.LayerNorm):
+            nn.init.ones_(module.weight)
+            nn.init.zeros_(module.bias)
+        elif isinstance(module, NVGeneformerLMHead):
+            nn.init.zeros_(module.bias)
+        elif _is_backend_layer(module):
+            module.reset_parameters()
+
+    def init_empty_weights(self, device: torch.device | str | None = None) -> None:
+        """Materialise a meta-device model (FSDP2-sharded or not) on ``device`` and initialise every weight.
+
+        Build the model under ``torch.device("meta")``, shard it, then call this: parameters are allocated
+        shard by shard and initialised with the same distributions as direct construction.
+        """
+        if device is None:
+            device = torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available() else "cpu"
+        materialize_meta_model(self, device, self._init_weights)
+        if self.config.tie_word_embeddings:
+            self.tie_weights()
+
+
+class NVGeneformerModel(NVGeneformerPreTrainedModel):
+    """The Geneformer encoder. ``forward`` returns ``last_hidden_state`` in the caller's layout."""
+
+    def __init__(self, config: NVGeneformerConfig, fp8_recipe=None, fp4_recipe=None):
+        super().__init__(config)
+        self.backend = resolve_backend(config.backend)
+        self.embeddings = NVGeneformerEmbeddings(config)
+        self.encoder = NVGeneformerEncoder(config, self.backend)
+        self.layer_precision = list(config.layer_precision or [None] * config.num_hidden_layers)
+        self._recipes = {"fp8": fp8_recipe, "fp4": fp4_recipe}
+        for precision in set(self.layer_precision) - {None}:
+            if self._recipes[precision] is None:
+                raise ValueError(f"config.layer_precision asks for {precision} but no {precision}_recipe was passed")
+            if self.backend != "te":
+                raise ValueError(f"{precision} layers need the TransformerEngine backend (this model uses 'torch')")
+        self.post_init()
+
+    def get_input_embeddings(self) -> nn.Embedding:
+        return self.embeddings.word_embeddings
+
+    def set_input_embeddings(self, value: nn.Embedding) -> None:
+        self.embeddings.word_embeddings = value
+
+    def _precision_context(self, layer_index: int):
+        precision = self.layer_precision[layer_index]
+        if self.backend != "te" or all(p is None for p in self.layer_precision):
+            return contextlib.nullcontext()  # leave any caller-level autocast in charge
+        recipe = self._recipes.get(precision) if precision else None
+        return te.autocast(enabled=recipe is not None, recipe=recipe)
+
+    def _alignment(self) -> int:
+        return 16 if any(p is not None for p in self.layer_precision) else 1
+
+    def pack(self, input_ids, attention_mask=None, cu_seq_lens_q=None, cu_seq_lens_k=None, max_length_q=None):
+        return pack_inputs(
+            input_ids,
+            attention_mask,
+            cu_seq_lens_q,
+            cu_seq_lens_k,
+            max_length_q,
+            self.config.pad_token_id,
+            self._alignment(),
+        )
+
+    def forward_packed(
+        self, packed: PackedBatch, token_type_ids: torch.Tensor | None = None, output_hidden_states: bool = False
+    ):
+        """Run the encoder on packed tokens: returns ([tokens, hidden], tuple of per-layer inputs or None).
+
+        ``token_type_ids`` are given in the caller's layout (BSHD or THD) and packed like the tokens.
+        """
+        if token_type_ids is not None:
+            types = packed.pack_like(token_type_ids)
+            token_type_ids = types.masked_fill(types < 0, 0)  # alignment padding: type 0, never scored
+        hidden = self.embeddings(packed, token_type_ids)
+        all_hidden = []
+        for index, layer in enumerate(self.encoder.layers):
+            if output_hidden_states:
+                all_hidden.append(hidden)
+            with self._precision_context(index):
+                hidden = layer(hidden, **packed.layer_boundaries())
+        if output_hidden_states:
+            all_hidden.append(hidden)
+        return hidden, (tuple(all_hidden) if output_hidden_states else None)
+
+    def forward(
+        self,
+        input_ids: torch.Tensor,
+        attention_mask: torch.Tensor | None = None,
+        token_type_ids: torch.Tensor | None = None,
+        cu_seq_lens_q: torch.Tensor | None = None,
+        cu_seq_lens_k: torch.Tensor | None = None,
+        max_length_q: int | None = None,
+        max_length_k: int | None = None,
+        output_hidden_states: bool | None = None,
+        return_dict: bool | None = None,
+        **kwargs,
+    ) -> BaseModelOutput:
+        packed = self.pack(input_ids, attention_mask, cu_seq_lens_q, cu_seq_lens_k, max_length_q)
+        hidden, all_hidden = self.forward_packed(packed, token_type_ids, bool(output_hidden_states))
+        return BaseModelOutput(
+            last_hidden_state=packed.unpack(hidden),
+            hidden_states=tuple(packed.unpack(h) for h in all_hidden) if all_hidden else None,
+        )
+
+
+class NVGeneformerLMHead(nn.Module):
+    """dense -> activation -> LayerNorm -> decoder tied to the word embeddings (+ bias). Always in high precision."""
+
+    def __init__(self, config: NVGeneformerConfig):
+        super().__init__()
+        self.dense = nn.Linear(config.hidden_size, config.hidden_size)
+        self.layer_norm = nn.LayerNorm(config.hidden_size, eps=config.layer_norm_eps)
+        self.decoder = nn.Linear(config.hidden_size, config.padded_vocab_size, bias=False)
+        self.bias = nn.Parameter(torch.zeros(config.padded_vocab_size))
+        self.activation = config.hidden_act
+        self.vocab_size = config.vocab_size
+
+    def forward(self, hidden: torch.Tensor) -> torch.Tensor:
+        x = self.layer_norm(_activation(self.dense(hidden), self.activation))
+        # The GEMM runs over the padded vocabulary; the padding columns are cut before anyone sees them.
+        return (self.decoder(x) + self.bias)[..., : self.vocab_size]
+
+
+class NVGeneformerForMaskedLM(NVGeneformerPreTrainedModel):
+    _tied_weights_keys = {"lm_head.decoder.weight": "bert.embeddings.word_embeddings.weight"}
+
+    def __init__(self, config: NVGeneformerConfig, fp8_recipe=None, fp4_recipe=None):
+        super().__init__(config)
+        self.bert = NVGeneformerModel(config, fp8_recipe=fp8_recipe, fp4_recipe=fp4_recipe)
+        self.lm_head = NVGeneformerLMHead(config)
+        self.post_init()
+
+    @property
+    def backend(self) -> str:
+        return self.bert.backend
+
+    def get_output_embeddings(self) -> nn.Linear:
+        return self.lm_head.decoder
+
+    def set_output_embeddings(self, value: nn.Linear) -> None:
+        self.lm_head.decoder = value
+
+    def forward(
+        self,
+        input_ids: torch.Tensor,
+        attention_mask: torch.Tensor | None = None,
+        token_type_ids: torch.Tensor | None = None,
+        labels: torch.Tensor | None = None,
+        cu_seq_lens_q: torch.Tensor | None = None,
+        cu_seq_lens_k: torch.Tensor | None = None,
+        max_length_q: int | None = None,
+        max_length_k: int | None = None,
+        output_hidden_states: bool | None = None,
+        return_dict: bool | None = None,
+        **kwargs,
+    ) -> MaskedLMOutput:
+        packed = self.bert.pack(input_ids, attention_mask, cu_seq_lens_q, cu_seq_lens_k, max_length_q)
+        hidden, all_hidden = self.bert.forward_packed(packed, token_type_ids, bool(output_hidden_states))
+        logits = self.lm_head(hidden)
+        loss = None if labels is None else token_mean_loss(logits, packed.pack_like(labels))
+        return MaskedLMOutput(
+            loss=loss,
+            logits=packed.unpack(logits),
+            hidden_states=tuple(packed.unpack(h) for h in all_hidden) if all_hidden else None,
+        )

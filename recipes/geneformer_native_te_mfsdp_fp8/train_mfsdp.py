@@ -1,0 +1,125 @@
+"""Pre-train Geneformer with Megatron-FSDP (``megatron_fsdp.fully_shard``): NVIDIA's FSDP with bucketed, overlapped
+communication and fp32 main weights kept in its own sharded buffers. NVIDIA GPUs only. The recipe's main entrypoint.
+
+    torchrun --nproc_per_node=8 train_mfsdp.py --config-name 4b dataset.path=/data/genecorpus
+    torchrun --nproc_per_node=8 train_mfsdp.py --config-name 4b dataset.path=/data/genecorpus fp8_config.enabled=true
+
+Reads top to bottom: mesh, model and optimizer sharded together (``model_setup.build_model``), scheduler/data, resume,
+train, export. Every key it reads is documented in hydra_config/defaults.yaml.
+"""
+
+import logging
+from pathlib import Path
+
+import hydra
+import torch
+from checkpoint import Checkpointer, export_final_model, gather_full_state_dict
+from dataset import create_dataloader
+from distributed import Meshes, cleanup_distributed, move_to_device, setup_distributed
+from grad_accumulation import count_targets, token_weights
+from model_setup import build_model
+from omegaconf import DictConfig, OmegaConf
+from perf_logger import PerfLogger, Profiler, quiet_progress_bars_off_a_terminal
+from recipe_paths import config_name
+from scheduler import get_linear_schedule_with_warmup
+from torch.distributed.device_mesh import init_device_mesh
+from user_errors import MissingPackageError, UnsupportedHardwareError, check_config, report_user_errors
+
+
+logger = logging.getLogger(__name__)
+
+
+def import_megatron_fsdp():
+    """Megatron-FSDP needs NVIDIA GPUs; say so plainly instead of failing deep inside it (model_setup.py uses it)."""
+    if not torch.cuda.is_available():
+        raise UnsupportedHardwareError(
+            "train_mfsdp.py needs CUDA GPUs (Megatron-FSDP is GPU-only); use train_fsdp2.py on a CPU"
+        )
+    try:
+        import megatron_fsdp
+    except ImportError as error:
+        raise MissingPackageError(
+            "train_mfsdp.py needs the megatron-fsdp package: pip install megatron-fsdp"
+        ) from error
+    return megatron_fsdp
+
+
+@report_user_errors(hydra.main(config_path="hydra_config", config_name="L0_sanity", version_base="1.3"))
+def main(cfg: DictConfig) -> None:
+    check_config(cfg)  # a `???` value left unset or a mistyped override (num_train_steps=abc) fails here, by name
+    quiet_progress_bars_off_a_terminal()  # in a log file a bar is one endless line
+    import_megatron_fsdp()
+    dist_config, device = setup_distributed(require_process_group=True)
+    if not dist_config.is_main_process():
+        logging.getLogger().setLevel(logging.WARNING)
+    logger.info("Config:\n%s", OmegaConf.to_yaml(cfg))
+    torch.manual_seed(cfg.seed)
+    # Megatron-FSDP wants a tensor-parallel dimension too (TE layers assume one); it is trivial here.
+    mesh = init_device_mesh("cuda", (dist_config.world_size, 1), mesh_dim_names=("dp", "tp"))
+
+    # Model built whole on this GPU (pretrained weights with init_from_pretrained), then sharded together with its
+    # optimizer; each transformer layer is one FSDP unit.
+    built = build_model(cfg, device, Meshes(fsdp=mesh, dp=mesh["dp"]), strategy="mfsdp")
+    model, optimizer, tokenizer = built.model, built.optimizer, built.tokenizer
+
+    # Scheduler after sharding: fully_shard rebuilds the optimizer's parameter groups.
+    scheduler = get_linear_schedule_with_warmup(optimizer, **cfg.lr_scheduler_kwargs)
+    dataloader = create_dataloader(
+        cfg.dataset, tokenizer, dp_rank=dist_config.rank, dp_world_size=dist_config.world_size, seed=cfg.seed
+    )
+
+    checkpointer = Checkpointer(
+        cfg.checkpoint.ckpt_dir,
+        "mfsdp",
+        async_save=cfg.checkpoint.async_save,
+        max_checkpoints=cfg.checkpoint.max_checkpoints,
+    )
+    start_step = 0
+    if cfg.checkpoint.resume:
+        start_step = checkpointer.load_latest(model, optimizer, scheduler, dataloader)
+    with torch.random.fork_rng(devices=[]):  # making the iterator draws from the RNG; keep resumed runs identical
+        batches = iter(dataloader)
+
+    perf = PerfLogger(cfg, built.model_flops, tokenizer.pad_token_id, start_step, config_name=config_name())
+    profiler = Profiler(cfg.profiler, cfg.output_dir)
+    built.train_model.train()
+    step = start_step
+    for step in range(start_step + 1, cfg.num_train_steps + 1):
+        with profiler.step_context(step):
+            step_loss = torch.zeros((), device=device)
+            # Weight each micro-batch by its share of the step's masked genes (as one batch holding them all).
+            micro_batches = [next(batches) for _ in range(cfg.grad_acc_steps)]
+            weights = token_weights([count_targets(batch, causal_lm=False) for batch in micro_batches])
+            for micro_step, batch in enumerate(micro_batches):
+                batch = move_to_device(batch, device)
+                perf.count_batch(batch)
+                # Reduce gradients only after the last micro-batch.
+                with built.gradient_sync(micro_step == cfg.grad_acc_steps - 1):
+                    loss = built.train_model(**batch).loss * weights[micro_step]
+                    loss.backward()
+                step_loss += loss.detach()
+
+            grad_norm = torch.nn.utils.clip_grad_norm_(model.parameters(), cfg.max_grad_norm)
+            lr = scheduler.get_last_lr()[0]
+            optimizer.step()
+            scheduler.step()
+            optimizer.zero_grad(set_to_none=True)
+
+        perf.log_step(step, step_loss, grad_norm, lr)
+        checkpointer.poll()
+        if cfg.checkpoint.save_every and step % cfg.checkpoint.save_every == 0:
+            checkpointer.save(step, model, optimizer, scheduler, dataloader)
+
+    if cfg.checkpoint.save_final and step > start_step:
+        checkpointer.save(step, model, optimizer, scheduler, dataloader)
+    perf.finish()
+
+    if cfg.export_final_model:
+        full_state_dict = gather_full_state_dict(model, "mfsdp")
+        export_final_model(model.module, full_state_dict, Path(cfg.output_dir) / "final_model", tokenizer)
+    checkpointer.close()
+    cleanup_distributed()
+
+
+if __name__ == "__main__":
+    main()
