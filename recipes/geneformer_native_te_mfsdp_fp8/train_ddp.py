@@ -76,7 +76,7 @@ def main(cfg: DictConfig) -> None:
                 # Gradients are all-reduced only on the last micro-batch; earlier ones accumulate locally.
                 with built.gradient_sync(micro_step == cfg.grad_acc_steps - 1):
                     with torch.autocast(device.type, dtype=torch.bfloat16, enabled=use_bf16):
-                        loss = built.train_model(**batch).loss * weights[micro_step]
+                        loss = built.train_model(**batch, labeled_logits_only=True).loss * weights[micro_step]
                     loss.backward()
                 step_loss += loss.detach()
 

@@ -80,7 +80,7 @@ def main(cfg: DictConfig) -> None:
                 perf.count_batch(batch)
                 # Reduce-scatter gradients only after the last micro-batch; earlier ones accumulate unsharded.
                 with built.gradient_sync(micro_step == cfg.grad_acc_steps - 1):
-                    loss = built.train_model(**batch).loss * weights[micro_step]
+                    loss = built.train_model(**batch, labeled_logits_only=True).loss * weights[micro_step]
                     loss.backward()
                 step_loss += loss.detach()
 
