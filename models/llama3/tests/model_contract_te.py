@@ -50,6 +50,12 @@ def qkv_projection(layer: torch.nn.Module) -> torch.nn.Module:
     return attention.layernorm_qkv if hasattr(attention, "layernorm_qkv") else attention.qkv
 
 
+def mlp_projection(layer: torch.nn.Module) -> torch.nn.Module:
+    """The first FFN module of a TE layer: ``layernorm_mlp`` (``te.TransformerLayer``) or ``mlp.fc1`` (a layer built
+    from TE modules, CodonFM's Encodon)."""
+    return layer.layernorm_mlp if hasattr(layer, "layernorm_mlp") else layer.mlp.fc1
+
+
 # ----------------------------------------------------------------------------------------------------- tests
 
 
@@ -136,7 +142,7 @@ def test_layer_precision_is_honoured_per_layer(contract):
     model(**cuda(contract.make_batch([64, 32]))).loss.backward()
     for layer, wanted in zip(transformer_layers(model), precision, strict=True):
         assert qkv_projection(layer).fp8 == (wanted == "fp8")
-        assert layer.layernorm_mlp.fp8 == (wanted == "fp8")
+        assert mlp_projection(layer).fp8 == (wanted == "fp8")
 
 
 @pytest.mark.requires_gpu

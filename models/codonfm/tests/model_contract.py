@@ -1,0 +1,533 @@
+# Copied from common/tests/model_contract.py — edit the source, then run ci/check_copies.py --fix
+"""The model contract: the tests every model package passes, written once for all of them.
+
+A model package describes itself once, as a ``ModelContract``, in its ``tests/test_model_contract.py``::
+
+    from model_contract import *  # noqa: F403  (the contract's tests, collected in this module)
+    from model_contract import ModelContract
+    from model_contract_te import *  # noqa: F403  (its TE part, run on GPU machines)
+
+    CONTRACTS = {"esm2": ModelContract(name="esm2", hf_model=..., nv_class=NVEsmForMaskedLM, ...)}
+
+    @pytest.fixture(params=sorted(CONTRACTS))
+    def contract(request) -> ModelContract:
+        return CONTRACTS[request.param]
+
+and pytest runs every ``test_*`` below against it. Each test compares with a reference that does not come from the
+code under test: the stock Hugging Face model (float32, CPU, tight tolerance), a BSHD run of the same batch, each
+sequence alone, or the init written in the config. ``CONTRACTS`` is a module-level dict because the torchrun worker
+(``scripts/fsdp2_meta_init.py``) looks the contract up by name. The TE backend's part of the contract (GPU
+machine) is in ``model_contract_te.py``, imported the same way.
+"""
+
+from __future__ import annotations
+
+import copy
+import json
+import math
+import os
+import subprocess
+import sys
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import huggingface_hub.constants
+import pytest
+import torch
+from init_statistics import assert_initialised_as_configured
+from safetensors import safe_open
+from transformers import AutoModel, AutoTokenizer, PretrainedConfig, PreTrainedModel
+
+
+SCRIPTS = Path(__file__).resolve().parent / "scripts"
+
+Batch = dict[str, torch.Tensor]
+
+
+@dataclass(frozen=True)
+class ModelContract:
+    """What the contract tests need to know about one model (one variant of it: e.g. tied or untied embeddings)."""
+
+    name: str  # the fixture id, and how the torchrun worker finds this contract in CONTRACTS
+    hf_model: Callable[[], PreTrainedModel]  # the tiny stock HF model: random weights (no 0s, no 1s), seeded, eval
+    nv_class: type[PreTrainedModel]  # the NV model with the LM head, e.g. NVEsmForMaskedLM
+    hf_to_nv: Callable[..., PreTrainedModel]  # convert_*_hf_to_te(hf_model, **config_overrides)
+    nv_to_hf: Callable[[PreTrainedModel], PreTrainedModel]  # convert_*_te_to_hf(nv_model)
+    export: Callable[[Path, Path], Path]  # export_hf_checkpoint(source_dir, output_dir) -> output_dir
+    save_nv: Callable[[PreTrainedModel, Path], Path]  # save_nv_checkpoint(nv_model, output_dir) -> output_dir
+    auto_class: type  # the Auto class that loads the export, e.g. AutoModelForMaskedLM
+    # (lengths, seed=0, padding_side="right") -> {"input_ids", "attention_mask", "labels"}, all [B, S]; -100 at
+    # padding and wherever nothing is scored. Every length >= 3.
+    make_batch: Callable[..., Batch]
+    init_config: Callable[..., PretrainedConfig]  # (**overrides) -> NV config, backend "torch", >= 256 wide
+    tokenizer_texts: tuple[str, ...]  # strings the exported tokenizer encodes (two lengths, so there is padding)
+    modeling_files: tuple[str, ...]  # the code the export must ship, e.g. ("modeling_esm_te.py", "torch_layers.py")
+    te_hf_model: Callable[[], PreTrainedModel]  # a stock model wide enough for TE's fused kernels (GPU tests)
+    # More stock models the torch backend must match (other shapes, rope types); the logits/loss test runs on all.
+    reference_models: dict[str, Callable[[], PreTrainedModel]] = field(default_factory=dict)
+    causal_lm: bool = False  # labels are next-token targets: the model shifts them (a sequence scores length - 1)
+    padding_sides: tuple[str, ...] = ("right",)  # the BSHD layouts make_batch builds and the model must accept
+    supports_generate: bool = False  # the exported model must generate (GenerationMixin)
+    rotary: bool = True  # rotary position embeddings (inv_freq buffers); False: learned absolute positions (BERT)
+    tolerance: float = 1e-4  # torch backend vs stock HF in float32: logits and loss (max abs difference)
+    grad_atol: float = 1e-5  # ... and gradients (torch.allclose)
+    grad_rtol: float = 1e-4
+    thd_atol: float = 1e-5  # THD vs BSHD of the same model: logits
+    thd_loss_atol: float = 1e-6  # ... and loss
+    bf16_tolerance: float = 2e-2  # TE vs torch backend in bf16: relative error of logits, loss
+    bf16_grad_tolerance: float = 5e-2  # ... and of gradients
+    te_checked_gradients: tuple[str, ...] = ()  # the gradients TE vs torch compares; () means every parameter's
+
+    def stock_models(self) -> dict[str, Callable[[], PreTrainedModel]]:
+        return {"tiny": self.hf_model, **self.reference_models}
+
+
+# ------------------------------------------------------------------------------------------------------- helpers
+
+
+def pack(batch: Batch) -> Batch:
+    """The same batch as THD: real tokens end to end, ``cu_seq_lens`` marking each sequence."""
+    keep = batch["attention_mask"].bool()
+    lengths = keep.sum(1)
+    cu = torch.nn.functional.pad(lengths.cumsum(0), (1, 0)).to(torch.int32)
+    return {
+        "input_ids": batch["input_ids"][keep].unsqueeze(0),
+        "labels": batch["labels"][keep].unsqueeze(0),
+        "cu_seq_lens_q": cu,
+        "cu_seq_lens_k": cu,
+        "max_length_q": int(lengths.max()),
+        "max_length_k": int(lengths.max()),
+    }
+
+
+def torch_model(contract: ModelContract, hf_model: PreTrainedModel | None = None) -> PreTrainedModel:
+    return contract.hf_to_nv(contract.hf_model() if hf_model is None else hf_model, backend="torch").eval()
+
+
+def is_tied(model: PreTrainedModel) -> bool:
+    return model.get_output_embeddings().weight is model.get_input_embeddings().weight
+
+
+def max_abs_difference(actual: torch.Tensor, expected: torch.Tensor) -> float:
+    return (actual.float() - expected.float()).abs().max().item()
+
+
+def scored_tokens(labels: torch.Tensor, causal_lm: bool) -> int:
+    return int((labels[..., 1:] if causal_lm else labels).ne(-100).sum())
+
+
+def layout(contract: ModelContract, lengths: list[int], name: str, seed: int = 0) -> Batch:
+    """``bshd-right``, ``bshd-left`` or ``thd`` (packed from a right-padded batch)."""
+    side = "left" if name == "bshd-left" else "right"
+    batch = contract.make_batch(lengths, seed=seed, padding_side=side)
+    return pack(batch) if name == "thd" else batch
+
+
+def torchrun(script: str, *args: str, nproc: int = 2) -> subprocess.CompletedProcess:
+    """Launch a worker of ``scripts/`` as a user does; it puts the package and tests/ on sys.path itself."""
+    command = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={nproc}"]
+    env = {k: v for k, v in os.environ.items() if k not in ("RANK", "WORLD_SIZE", "LOCAL_RANK")}
+    env.setdefault("OMP_NUM_THREADS", "1")  # two ranks on two cores: more threads only oversubscribe
+    return subprocess.run(
+        [*command, str(SCRIPTS / script), *args], capture_output=True, text=True, timeout=300, env=env
+    )
+
+
+def transformer_layers(model: torch.nn.Module) -> list[torch.nn.Module]:
+    """The TE (or twin) transformer layers, in order: the modules the model will not split."""
+    return [m for m in model.modules() if type(m).__name__ in model._no_split_modules]
+
+
+# ------------------------------------------------------------------------------ torch backend = stock HF (CPU)
+
+
+def test_torch_backend_matches_hugging_face_logits_and_loss(contract):
+    """Padded BSHD batches (padding in all but the longest row, every padding side the model takes)."""
+    for variant, build in contract.stock_models().items():
+        hf_model = build()
+        nv_model = torch_model(contract, hf_model)
+        assert is_tied(nv_model) == hf_model.config.tie_word_embeddings, variant
+        for side in contract.padding_sides:
+            batch = contract.make_batch([37, 20, 9], padding_side=side)
+            if contract.causal_lm:  # a first token is never a target, but HF would score it from the padding before
+                first = (batch["attention_mask"].cumsum(1) == 1) & batch["attention_mask"].bool()
+                batch["labels"] = batch["labels"].masked_fill(first, -100)
+            with torch.no_grad():
+                expected, actual = hf_model(**batch), nv_model(**batch)
+            where = f"{variant}, {side} padding"
+            real = batch["attention_mask"].bool()  # HF's outputs at padding positions carry no meaning
+            assert actual.logits.shape == expected.logits.shape == (3, 37, hf_model.config.vocab_size), where
+            assert max_abs_difference(actual.logits[real], expected.logits[real]) <= contract.tolerance, where
+            assert abs(actual.loss.item() - expected.loss.item()) <= contract.tolerance, where
+
+
+def test_torch_backend_gradients_match_hugging_face(contract):
+    """Every HF parameter's gradient; the NV gradients are mapped to HF names by the converter (exact: it only
+    fuses, splits and slices), so fused QKV/MLP and padded vocabulary gradients are compared part by part."""
+    hf_model = contract.hf_model()
+    nv_model = torch_model(contract, hf_model)
+    batch = contract.make_batch([30, 17])
+    hf_model(**batch).loss.backward()
+    nv_model(**batch).loss.backward()
+    gradients = copy.deepcopy(nv_model)
+    with torch.no_grad():
+        for (name, param), (_, source) in zip(gradients.named_parameters(), nv_model.named_parameters()):
+            assert source.grad is not None, f"{name}: no gradient"
+            param.copy_(source.grad)
+    nv_grads = contract.nv_to_hf(gradients).state_dict()
+    compared = 0
+    for name, param in hf_model.named_parameters():
+        if param.grad is None:  # not used by the forward pass (ESM's contact head)
+            continue
+        assert torch.allclose(nv_grads[name], param.grad, atol=contract.grad_atol, rtol=contract.grad_rtol), name
+        compared += 1
+    assert compared >= 5
+
+
+# -------------------------------------------------------------------------------------------------- conversion
+
+
+def test_convert_round_trip_is_exact(contract):
+    """HF -> NV -> HF gives every state-dict tensor back bit for bit (and the tying), and so does NV -> HF -> NV."""
+    hf_model = contract.hf_model()
+    nv_model = contract.hf_to_nv(hf_model, backend="torch")
+    back = contract.nv_to_hf(nv_model)
+    original, returned = hf_model.state_dict(), back.state_dict()
+    assert original.keys() == returned.keys()
+    for key in original:
+        assert torch.equal(original[key], returned[key]), key
+    assert is_tied(back) == hf_model.config.tie_word_embeddings
+    again = contract.hf_to_nv(back, backend="torch").state_dict()
+    assert again.keys() == nv_model.state_dict().keys()
+    for key, value in nv_model.state_dict().items():
+        if not key.endswith("_extra_state"):
+            assert torch.equal(again[key], value), key
+
+
+def test_conversion_rejects_unknown_hugging_face_weights(contract):
+    hf_model = contract.hf_model()
+    hf_model.register_buffer("surprise", torch.zeros(2))
+    with pytest.raises(ValueError, match="surprise"):
+        contract.hf_to_nv(hf_model, backend="torch")
+
+
+# ------------------------------------------------------------------------------------------------------ export
+
+
+def export_stock_model(contract: ModelContract, tmp_path: Path) -> tuple[PreTrainedModel, Path]:
+    hf_model = contract.hf_model()
+    hf_model.save_pretrained(tmp_path / "hf")
+    out = contract.export(tmp_path / "hf", tmp_path / "exported")
+    assert Path(out) == tmp_path / "exported"
+    return hf_model, Path(out)
+
+
+def test_export_writes_a_complete_directory(contract, tmp_path):
+    _, out = export_stock_model(contract, tmp_path)
+    names = {p.name for p in out.iterdir()}
+    wanted = {"config.json", "model.safetensors", "tokenizer.json", "tokenizer_config.json", "README.md", "LICENSE"}
+    assert wanted | set(contract.modeling_files) <= names, sorted(wanted | set(contract.modeling_files) - names)
+    # The directory was staged beside the target and renamed: nothing else is left there.
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["exported", "hf"]
+
+
+def test_export_config_and_weights(contract, tmp_path):
+    """config.json loads anywhere (auto_map, backend "auto", no quantized layers); the weights are stored once."""
+    hf_model, out = export_stock_model(contract, tmp_path)
+    config = json.loads((out / "config.json").read_text())
+    modeling = sys.modules[contract.nv_class.__module__]
+    assert config["auto_map"] == modeling.AUTO_MAP
+    module_stem = Path(modeling.__file__).stem
+    assert config["auto_map"][contract.auto_class.__name__] == f"{module_stem}.{contract.nv_class.__name__}"
+    assert config["architectures"] == [contract.nv_class.__name__]
+    assert config["backend"] == "auto"
+    assert "layer_precision" in config and config["layer_precision"] is None, config.get("layer_precision")
+    with safe_open(out / "model.safetensors", "pt") as weights:
+        keys = set(weights.keys())
+    assert not any(key.endswith("_extra_state") for key in keys)
+    if hf_model.config.tie_word_embeddings:
+        for output_key, input_key in contract.nv_class._tied_weights_keys.items():
+            assert len({output_key, input_key} & keys) == 1, f"tied {output_key} / {input_key}: stored {keys}"
+
+
+def test_export_drops_a_training_precision_plan_and_keeps_the_callers_config(contract, tmp_path):
+    """A model trained with FP8 layers exports without them (the export must load on any backend), and the model
+    the caller keeps training still has its plan."""
+    nv_model = contract.hf_to_nv(contract.hf_model(), backend="torch")
+    plan = ["fp8"] * nv_model.config.num_hidden_layers  # set after construction: the torch backend refuses to build it
+    nv_model.config.layer_precision = plan
+    out = contract.save_nv(nv_model, tmp_path / "exported")
+    assert json.loads((Path(out) / "config.json").read_text())["layer_precision"] is None
+    assert nv_model.config.layer_precision == plan and nv_model.config.backend == "torch"
+    reloaded = contract.auto_class.from_pretrained(out, trust_remote_code=True, backend="torch")
+    assert reloaded.config.layer_precision is None
+
+
+def test_export_loads_offline_and_matches_the_stock_model(contract, tmp_path, monkeypatch):
+    hf_model, out = export_stock_model(contract, tmp_path)
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+    monkeypatch.setattr(huggingface_hub.constants, "HF_HUB_OFFLINE", True)  # read once at import, so patch it too
+    # backend="torch" overrides the exported "auto", so this CPU comparison holds on GPU machines too.
+    model = contract.auto_class.from_pretrained(out, trust_remote_code=True, backend="torch").eval()
+    assert type(model).__name__ == contract.nv_class.__name__ and model.backend == "torch"
+    assert type(model).__module__ != contract.nv_class.__module__  # the directory's code, not the package's
+    assert is_tied(model) == hf_model.config.tie_word_embeddings
+    tokenizer = AutoTokenizer.from_pretrained(out)
+    batch = dict(tokenizer(list(contract.tokenizer_texts), return_tensors="pt", padding=True))
+    batch.pop("token_type_ids", None)
+    real = batch["attention_mask"].bool()
+    assert not real.all(), "the texts should be of different lengths, so that the batch has padding"
+    with torch.no_grad():
+        expected, actual = hf_model(**batch).logits, model(**batch).logits
+    assert max_abs_difference(actual[real], expected[real]) <= contract.tolerance
+
+    base = AutoModel.from_pretrained(out, trust_remote_code=True, backend="torch").eval()
+    with torch.no_grad():
+        hidden = base(**batch).last_hidden_state
+        expected_hidden = hf_model.base_model(**batch).last_hidden_state
+    assert max_abs_difference(hidden[real], expected_hidden[real]) <= contract.tolerance
+
+    # Converted back, the export is the stock model again, tensor for tensor.
+    stock = contract.nv_to_hf(model).state_dict()
+    for key, value in hf_model.state_dict().items():
+        assert torch.equal(stock[key], value), key
+
+
+# What a user types in a fresh interpreter: the tokenizer without trust_remote_code, then the model.
+LOAD_AS_A_USER = """
+import sys
+import transformers
+from transformers import AutoTokenizer
+
+path, auto_class, trust, texts = sys.argv[1], getattr(transformers, sys.argv[2]), sys.argv[3] == "trust", sys.argv[4:]
+tokenizer = AutoTokenizer.from_pretrained(path)
+model = auto_class.from_pretrained(path, trust_remote_code=True) if trust else auto_class.from_pretrained(path)
+batch = tokenizer(texts, return_tensors="pt", padding=True)
+batch.pop("token_type_ids", None)
+print(type(model).__name__, tuple(model(**batch).logits.shape))
+"""
+
+
+def load_as_a_user(contract: ModelContract, export_dir: Path, trust_remote_code: bool) -> subprocess.CompletedProcess:
+    """Run LOAD_AS_A_USER as a batch job would: stdin closed, no network, no GPU, none of the tests' paths."""
+    env = {k: v for k, v in os.environ.items() if k not in ("PYTHONPATH", "TRANSFORMERS_VERBOSITY")}
+    env.update({"HF_HUB_OFFLINE": "1", "CUDA_VISIBLE_DEVICES": ""})  # the CPU load; the TE one is a GPU test
+    trust = "trust" if trust_remote_code else "no-trust"
+    command = [sys.executable, "-c", LOAD_AS_A_USER, str(export_dir), contract.auto_class.__name__, trust]
+    return subprocess.run(
+        [*command, *contract.tokenizer_texts],
+        stdin=subprocess.DEVNULL,
+        capture_output=True,
+        text=True,
+        timeout=300,
+        env=env,
+        cwd=export_dir.parent,
+    )
+
+
+def test_export_loads_in_a_fresh_process_without_prompts_or_warnings(contract, tmp_path):
+    """The README's two lines load the export in a batch job, and print nothing on the way: no "Do you wish to run
+    the custom code?" prompt for the tokenizer, no model-type warning for the model."""
+    _, out = export_stock_model(contract, tmp_path)
+    result = load_as_a_user(contract, out, trust_remote_code=True)
+    assert result.returncode == 0, result.stderr
+    assert result.stdout.startswith(contract.nv_class.__name__), result.stdout
+    # transformers' own "Loading weights" progress bar is the one thing allowed on stderr.
+    printed = [line for line in result.stderr.splitlines() if line.strip() and "Loading weights" not in line]
+    assert not printed, "loading printed:\n" + "\n".join(printed)
+
+
+def test_export_without_trust_remote_code_is_never_silently_the_stock_model(contract, tmp_path):
+    """config.json says the stock model type (so tokenizers load without custom code). Without trust_remote_code,
+    transformers builds its own class, which cannot read the fused layers: the load fails (a size mismatch) or
+    reports the weights it could not load; it never passes quietly for the trained model."""
+    _, out = export_stock_model(contract, tmp_path)
+    result = load_as_a_user(contract, out, trust_remote_code=False)
+    assert "LOAD REPORT" in result.stderr and ("MISSING" in result.stderr or "MISMATCH" in result.stderr), (
+        result.stderr
+    )
+
+
+# -------------------------------------------------------------------------------------------------- THD = BSHD
+
+
+def test_thd_equals_bshd_per_token(contract):
+    nv_model = torch_model(contract)
+    bshd = contract.make_batch([25, 11, 40, 3])
+    with torch.no_grad():
+        expected, actual = nv_model(**bshd), nv_model(**pack(bshd))
+    real = bshd["attention_mask"].bool()
+    assert actual.logits.shape == (1, int(real.sum()), expected.logits.shape[-1])
+    assert torch.allclose(actual.logits[0], expected.logits[real], atol=contract.thd_atol)
+    assert torch.allclose(actual.loss, expected.loss, atol=contract.thd_loss_atol)
+
+
+def test_packed_sequences_do_not_see_each_other(contract):
+    """Rewriting one packed sequence leaves the other's logits bit for bit as they were (in both directions)."""
+    nv_model = torch_model(contract)
+    lengths = [15, 22]
+    batch = pack(contract.make_batch(lengths))
+    other = pack(contract.make_batch(lengths, seed=1))["input_ids"]
+    spans = [slice(0, lengths[0]), slice(lengths[0], sum(lengths))]
+    with torch.no_grad():
+        reference = nv_model(**batch).logits[0]
+        for changed, kept in (spans, spans[::-1]):
+            input_ids = batch["input_ids"].clone()
+            input_ids[0, changed] = other[0, changed]
+            logits = nv_model(**{**batch, "input_ids": input_ids}).logits[0]
+            assert torch.equal(logits[kept], reference[kept]), f"tokens {changed} reached tokens {kept}"
+            assert not torch.allclose(logits[changed], reference[changed])
+
+
+def test_packed_batch_equals_hugging_face_on_each_sequence_alone(contract):
+    """Every packed sequence gets the logits HF gives it alone, and the packed loss is the token-weighted mean of
+    HF's per-sequence losses (no prediction across a sequence boundary)."""
+    hf_model = contract.hf_model()
+    nv_model = torch_model(contract, hf_model)
+    lengths = [12, 30, 7]
+    batch = contract.make_batch(lengths, seed=3)
+    total, count = 0.0, 0
+    with torch.no_grad():
+        packed = nv_model(**pack(batch))
+        for row, logits in enumerate(packed.logits[0].split(lengths)):
+            input_ids, labels = batch["input_ids"][row : row + 1, : lengths[row]], batch["labels"][row : row + 1]
+            alone = hf_model(input_ids, labels=labels[:, : lengths[row]])
+            assert max_abs_difference(logits, alone.logits[0]) <= contract.tolerance, row
+            scored = scored_tokens(labels[:, : lengths[row]], contract.causal_lm)
+            total, count = total + alone.loss.item() * scored, count + scored
+    assert abs(packed.loss.item() - total / count) <= contract.tolerance
+
+
+def test_loss_without_labelled_tokens_is_zero_not_nan(contract):
+    nv_model = torch_model(contract)
+    batch = contract.make_batch([10])
+    loss = nv_model(**{**batch, "labels": torch.full_like(batch["labels"], -100)}).loss
+    assert loss.item() == 0.0
+
+
+# --------------------------------------------------------------------------------------------------- meta init
+
+
+def test_meta_init_matches_the_configured_init(contract):
+    """Built on the meta device and materialised with init_empty_weights(), the model holds what direct construction
+    holds: the init the config describes, the same parameters, tied weights tied, buffers (rotary) recomputed."""
+    config = contract.init_config()
+    torch.manual_seed(0)
+    direct = contract.nv_class(config)
+    with torch.device("meta"):
+        deferred = contract.nv_class(config)
+    assert all(p.is_meta for p in deferred.parameters())
+    deferred.init_empty_weights("cpu")
+    assert dict(deferred.named_parameters()).keys() == dict(direct.named_parameters()).keys()
+    for model in (direct, deferred):
+        assert_initialised_as_configured(dict(model.named_parameters()), config)
+    assert is_tied(deferred) == config.tie_word_embeddings
+    # Buffers (the rotary inverse frequencies, fixed head weights) against the stock HF model of this config.
+    direct_buffers = dict(direct.named_buffers())
+    for name, buffer in deferred.named_buffers():
+        assert not buffer.is_meta and torch.equal(buffer, direct_buffers[name]), name
+    hf_inv_freq = [b for n, b in contract.nv_to_hf(deferred).named_buffers() if n.endswith("inv_freq")]
+    nv_inv_freq = [b for n, b in deferred.named_buffers() if n.endswith("inv_freq")]
+    assert bool(hf_inv_freq) == bool(nv_inv_freq) == contract.rotary
+    for buffer in nv_inv_freq:
+        assert torch.allclose(buffer, hf_inv_freq[0], rtol=1e-6, atol=0)
+
+
+def test_meta_initialised_model_trains(contract):
+    config = contract.init_config()
+    with torch.device("meta"):
+        model = contract.nv_class(config)
+    model.init_empty_weights("cpu")
+    loss = model(**contract.make_batch([20, 12])).loss
+    assert torch.isfinite(loss)
+    assert abs(loss.item() - math.log(config.vocab_size)) < 0.5  # near-uniform predictions at init
+    loss.backward()
+    assert all(torch.isfinite(p.grad).all() for p in model.parameters() if p.grad is not None)
+
+
+def test_sharded_meta_init_on_cpu_two_processes(contract):
+    """FSDP2-sharded init on 2 gloo processes: exactly the one-process weights, configured statistics, no two ranks
+    alike, and a training step runs (scripts/fsdp2_meta_init.py)."""
+    result = torchrun("fsdp2_meta_init.py", "torch", contract.name)
+    assert result.returncode == 0, result.stderr[-3000:]
+    assert "STATS-OK" in result.stdout
+
+
+# ------------------------------------------------------------------------------------ backends and bad input
+
+
+@pytest.mark.parametrize("setting", ["backend", "layer_precision_length", "layer_precision_value", "padded_vocab"])
+def test_bad_config_values_are_named(contract, setting):
+    layers = contract.init_config().num_hidden_layers
+    overrides, message = {
+        "backend": ({"backend": "tensorrt"}, "backend must be one of"),
+        "layer_precision_length": ({"layer_precision": ["fp8"]}, f"layer_precision has 1 entries for {layers} layers"),
+        "layer_precision_value": ({"layer_precision": ["fp8", "int4"] + [None] * (layers - 2)}, "int4"),
+        "padded_vocab": ({"padded_vocab_size": 16}, "padded_vocab_size"),
+    }[setting]
+    with pytest.raises(ValueError, match=message):
+        contract.init_config(**overrides)
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="checks the error raised where TE cannot run")
+def test_te_backend_where_it_cannot_run_is_a_clear_error(contract):
+    with pytest.raises(RuntimeError, match="backend='te' was requested but cannot run here"):
+        contract.nv_class(contract.init_config(backend="te"))
+
+
+def _te_importable() -> bool:
+    try:
+        import transformer_engine.pytorch  # noqa: F401
+    except Exception:
+        return False
+    return True
+
+
+def test_auto_backend_falls_back_to_torch_without_te(contract):
+    model = contract.nv_class(contract.init_config(backend="auto"))
+    assert model.backend == ("te" if torch.cuda.is_available() and _te_importable() else "torch")
+
+
+def test_quantized_layers_on_the_torch_backend_are_refused(contract):
+    config = contract.init_config(layer_precision=["fp8"] + [None] * (contract.init_config().num_hidden_layers - 1))
+    with pytest.raises(ValueError, match="no fp8_recipe was passed"):
+        contract.nv_class(config)
+    with pytest.raises(ValueError, match="need the TransformerEngine backend"):
+        contract.nv_class(config, fp8_recipe=object())
+
+
+def test_bad_cu_seq_lens_are_named(contract):
+    nv_model = torch_model(contract)
+    batch = pack(contract.make_batch([10, 6]))
+
+    def with_cu(*boundaries):
+        cu = torch.tensor(boundaries, dtype=torch.int32)
+        return {**batch, "cu_seq_lens_q": cu, "cu_seq_lens_k": cu}
+
+    with pytest.raises(ValueError, match=r"must end at the number of tokens \(16\); it ends at 15"):
+        nv_model(**with_cu(0, 10, 15))
+    with pytest.raises(ValueError, match="must start at 0"):
+        nv_model(**with_cu(1, 10, 16))
+    with pytest.raises(ValueError, match="non-decreasing"):
+        nv_model(**with_cu(0, 12, 10, 16))
+
+
+def test_mismatched_thd_keys_and_masks_are_named(contract):
+    nv_model = torch_model(contract)
+    bshd = contract.make_batch([10, 6])
+    batch = pack(bshd)
+    with pytest.raises(ValueError, match="cu_seq_lens_k == cu_seq_lens_q"):
+        nv_model(**{**batch, "cu_seq_lens_k": torch.tensor([0, 8, 16], dtype=torch.int32)})
+    with pytest.raises(ValueError, match="takes no attention_mask"):
+        nv_model(**batch, attention_mask=torch.ones_like(batch["input_ids"]))
+    with pytest.raises(ValueError, match=r"THD input_ids must be \[1, tokens\]"):
+        nv_model(**{**batch, "input_ids": batch["input_ids"].view(2, 8)})
+    with pytest.raises(ValueError, match="attention_mask"):
+        nv_model(bshd["input_ids"], attention_mask=bshd["attention_mask"][:, :5])
+    with pytest.raises(ValueError, match="only 0 and 1"):
+        nv_model(bshd["input_ids"], attention_mask=bshd["attention_mask"] * 2)
+
+
+# What ``from model_contract import *`` brings into a model's test module: the contract and its tests.
+__all__ = ["ModelContract", *(name for name in list(globals()) if name.startswith("test_"))]
