@@ -6,6 +6,8 @@
     python3 ci/benchmark.py ... --override fp8_config.enabled=true --markdown docs/benchmarks.md
     python3 ci/benchmark.py --recipe recipes/esm2_accelerate_te --entrypoint train.py --config L1_650M \
         --accelerate-config accelerate_config/fsdp2_te.yaml ...   # `accelerate launch` instead of torchrun
+    python3 ci/benchmark.py --recipe recipes/codonfm_ptl_te --entrypoint train.py --config encodon_80m \
+        --data ../shared/data/codon_sample.parquet ...            # a recipe whose data group is `data` (Lightning)
 
 The recipe's perf logger does the measuring (see docs/benchmarks.md for the definitions and the MFU formula):
 median unpadded tokens/s/GPU and MFU over the logged windows after warm-up, step time, peak memory. This script
@@ -38,8 +40,12 @@ AMINO_ACIDS = {
 
 def synthetic_sequences(kind: str, count: int, seed: int = 0) -> list[str]:
     """Random sequences with a realistic length distribution: proteins log-normal around ~350 residues (UniRef-like,
-    30..2000), DNA windows of 1,000..8,192 bases. Throughput depends on lengths, not on the letters."""
+    30..2000), DNA windows of 1,000..8,192 bases, coding sequences of whole codons log-normal around ~330 codons
+    (50..2000 codons). Throughput depends on lengths, not on the letters."""
     rng = np.random.default_rng(seed)
+    if kind == "codon":
+        codons = np.clip(rng.lognormal(mean=5.8, sigma=0.6, size=count), 50, 2000).astype(int)
+        return ["".join(rng.choice(list("ACGT"), size=3 * n)) for n in codons]
     if kind == "protein":
         lengths = np.clip(rng.lognormal(mean=5.6, sigma=0.7, size=count), 30, 2000).astype(int)
         letters, weights = list(AMINO_ACIDS), np.array(list(AMINO_ACIDS.values()))
@@ -47,7 +53,7 @@ def synthetic_sequences(kind: str, count: int, seed: int = 0) -> list[str]:
         lengths = rng.integers(1000, 8193, size=count)
         letters, weights = list("ACGT"), np.ones(4)
     else:
-        raise ValueError(f"--synthetic kind must be 'protein' or 'dna', got {kind!r}")
+        raise ValueError(f"--synthetic kind must be 'protein' or 'dna' (or 'codon'), got {kind!r}")
     probabilities = weights / weights.sum()
     return ["".join(rng.choice(letters, size=n, p=probabilities)) for n in lengths]
 
@@ -74,6 +80,13 @@ def resolved_config(recipe: Path, config: str, overrides: list[str]) -> dict:
     return OmegaConf.to_container(cfg, resolve=False)
 
 
+def data_key(recipe: Path, config: str) -> str:
+    """The override that points a recipe at its data: ``dataset.path``, or ``data.train_path`` in a recipe whose data
+    group is ``data`` (recipes/codonfm_ptl_te, the Lightning DataModule's settings)."""
+    cfg = resolved_config(recipe, config, [])
+    return "data.train_path" if "dataset" not in cfg and "train_path" in cfg.get("data", {}) else "dataset.path"
+
+
 def accelerate_precision(accelerate_cfg: dict) -> str:
     """The precision column of a run whose accelerate config file (not the Hydra config) sets it."""
     mixed = accelerate_cfg.get("mixed_precision", "no")
@@ -85,7 +98,8 @@ def accelerate_precision(accelerate_cfg: dict) -> str:
 
 def describe(cfg: dict, accelerate_cfg: dict | None = None) -> dict:
     """Columns of the benchmarks table that come from the configuration rather than from the measurement."""
-    data = cfg["dataset"]
+    data = cfg["dataset"] if "dataset" in cfg else cfg["data"]
+    trainer = cfg.get("trainer", {})  # Lightning: precision and gradient accumulation are Trainer arguments
     fp8, fp4 = cfg.get("fp8_config", {}), cfg.get("fp4_config", {})
     if accelerate_cfg is not None:
         precision = accelerate_precision(accelerate_cfg)
@@ -97,6 +111,8 @@ def describe(cfg: dict, accelerate_cfg: dict | None = None) -> dict:
         parts = [f"fp8 {fp8.get('fp8_recipe')} layers {fp8.get('fp8_layers') or 'all'}"] if fp8.get("enabled") else []
         parts += [f"fp4 layers {fp4.get('fp4_layers') or 'all'}"] if fp4.get("enabled") else []
         precision = ", ".join(parts)
+    elif "precision" in trainer:
+        precision = "bf16 (fp32 master weights)" if trainer["precision"] == "bf16-mixed" else trainer["precision"]
     else:
         mixed = cfg.get("mixed_precision", {})
         precision = "bf16" + (" (fp32 master weights)" if mixed.get("fp32_master_weights") else "")
@@ -110,7 +126,7 @@ def describe(cfg: dict, accelerate_cfg: dict | None = None) -> dict:
         "input_format": data["input_format"] + (f", cp={cp}" if cp and cp > 1 else ""),
         "precision": precision,
         "tokens_per_micro_batch": tokens,
-        "grad_acc_steps": cfg.get("grad_acc_steps", 1),
+        "grad_acc_steps": cfg.get("grad_acc_steps", trainer.get("accumulate_grad_batches", 1)),
     }
 
 
@@ -145,7 +161,7 @@ def run_benchmark(args: argparse.Namespace) -> dict:
     output_dir = Path(args.output_dir).resolve() if args.output_dir else workdir / "run"
     overrides = [
         f"output_dir={output_dir}",
-        f"dataset.path={data}",
+        f"{data_key(recipe, args.config)}={data}",
         f"num_train_steps={args.steps}",
         f"logger.log_every={args.log_every}",
         f"logger.warmup_steps={args.warmup}",
@@ -202,8 +218,8 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--warmup", type=int, default=20, help="steps left out of the medians")
     parser.add_argument("--log-every", type=int, default=10)
     source = parser.add_mutually_exclusive_group(required=True)
-    source.add_argument("--data", help="dataset.path for the run")
-    source.add_argument("--synthetic", help="KIND[:COUNT]: protein or dna sequences with realistic lengths")
+    source.add_argument("--data", help="dataset.path (or data.train_path) for the run")
+    source.add_argument("--synthetic", help="KIND[:COUNT]: protein, dna or codon sequences with realistic lengths")
     parser.add_argument("--override", action="append", default=[], help="extra Hydra override (repeatable)")
     parser.add_argument("--output-dir", help="run directory (default: a temporary one)")
     parser.add_argument("--json", type=Path, help="also write the result here")

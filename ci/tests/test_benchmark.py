@@ -92,3 +92,39 @@ def test_tiny_cpu_run_reports_a_row_matching_the_benchmarks_table(tmp_path):
     header = next(line for line in lines if line.startswith("| date | device"))
     assert lines[-1].count("|") == header.count("|")  # same number of columns as the results table
     assert markdown.with_suffix(".svg").read_text().count('fill="#76b900"') == len(lines) - lines.index(header) - 2
+
+
+def test_describe_reads_a_lightning_recipes_data_and_trainer_groups():
+    cfg = {
+        "model_tag": "model_configs/encodon_80m",
+        "data": {"input_format": "thd", "token_budget": 32768, "micro_batch_size": 8, "max_codons": 2046},
+        "trainer": {"precision": "bf16-mixed", "accumulate_grad_batches": 4},
+        "fp8_config": {"enabled": False},
+    }
+    described = benchmark.describe(cfg)
+    assert described["tokens_per_micro_batch"] == 32768 and described["grad_acc_steps"] == 4
+    assert described["precision"] == "bf16 (fp32 master weights)"
+    fp8 = {**cfg, "fp8_config": {"enabled": True, "fp8_recipe": "Float8BlockScaling", "fp8_layers": None}}
+    assert benchmark.describe(fp8)["precision"] == "fp8 Float8BlockScaling layers all"
+
+
+def test_synthetic_codon_sequences_are_whole_codons():
+    sequences = benchmark.synthetic_sequences("codon", 200)
+    codons = np.array([len(s) // 3 for s in sequences])
+    assert all(len(s) % 3 == 0 and set(s) <= set("ACGT") for s in sequences)
+    assert codons.min() >= 50 and codons.max() <= 2000 and 250 < np.median(codons) < 450
+
+
+def test_tiny_lightning_run_reads_the_data_group(tmp_path):
+    """recipes/codonfm_ptl_te keeps its data settings in `data` (data.train_path), not `dataset`."""
+    result_file = tmp_path / "result.json"
+    command = [
+        sys.executable, str(REPO_ROOT / "ci" / "benchmark.py"),
+        "--recipe", "recipes/codonfm_ptl_te", "--entrypoint", "train.py", "--config", "L0_sanity",
+        "--steps", "4", "--log-every", "2", "--warmup", "2", "--synthetic", "codon:64", "--json", str(result_file),
+    ]  # fmt: skip
+    subprocess.run(command, check=True, capture_output=True, text=True, timeout=300)
+    result = json.loads(result_file.read_text())
+    assert result["steps"] == 4 and result["model"] == "encodon_80m" and result["input_format"] == "thd"
+    assert result["precision"] == "32-true" and result["tokens_per_micro_batch"] == 4096
+    assert result["tokens_per_second_per_gpu"] > 0

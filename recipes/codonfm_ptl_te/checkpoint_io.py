@@ -1,0 +1,119 @@
+"""Lightning checkpoints that a killed job cannot corrupt, and the checkpoint a relaunch resumes from.
+
+Lightning's ``ModelCheckpoint`` decides when to save (:class:`RecipeModelCheckpoint`: every ``save_every`` steps and at
+the last step, as ``step_<N>.ckpt`` files and ``last.ckpt``); the Trainer's ``CheckpointIO`` plugin decides how the
+bytes reach the disk. :class:`AtomicCheckpointIO` writes each file as ``.<name>.partial`` beside its final name,
+flushes it to the disk, and only then renames it over the final name. A rename within a directory is atomic, so
+
+- a job killed mid-save leaves at most a ``.partial`` file, which ``ckpt_path="last"`` never picks (Lightning looks for
+  ``last*.ckpt``) and the next save of that name overwrites;
+- ``last.ckpt`` is never half-written: until the rename it is the previous good checkpoint, after it the new one.
+
+Every strategy writes one whole file from rank 0 through this plugin: DDP, FSDP (``state_dict_type="full"``) and FSDP2
+(``ModelParallelStrategy(save_distributed_checkpoint=False)``; its sharded directories would bypass the plugin).
+"""
+
+import logging
+import os
+from pathlib import Path
+from typing import Any
+
+import torch
+from lightning.pytorch.callbacks import ModelCheckpoint
+from lightning.pytorch.plugins.io import TorchCheckpointIO
+
+
+logger = logging.getLogger(__name__)
+
+PARTIAL_SUFFIX = ".partial"
+LAST = "last.ckpt"
+
+
+def partial_path(path: str | os.PathLike) -> Path:
+    path = Path(path)
+    return path.with_name(f".{path.name}{PARTIAL_SUFFIX}")
+
+
+class AtomicCheckpointIO(TorchCheckpointIO):
+    """``TorchCheckpointIO`` that never leaves a half-written checkpoint under a checkpoint's name."""
+
+    def save_checkpoint(self, checkpoint: dict[str, Any], path, storage_options: Any | None = None) -> None:
+        if storage_options is not None:
+            raise TypeError(f"{type(self).__name__} takes no storage_options")
+        path = Path(path)
+        path.parent.mkdir(parents=True, exist_ok=True)
+        partial = partial_path(path)
+        try:
+            with open(partial, "wb") as file:  # streamed to the file: no second in-memory copy of the checkpoint
+                torch.save(checkpoint, file)
+                file.flush()
+                os.fsync(file.fileno())  # the bytes are on the disk before the name points at them
+            os.replace(partial, path)
+        except BaseException:
+            partial.unlink(missing_ok=True)
+            raise
+        _fsync_directory(path.parent)  # and the rename itself survives a crash of the node
+
+
+def _fsync_directory(directory: Path) -> None:
+    try:
+        descriptor = os.open(directory, os.O_RDONLY)
+    except OSError:  # a file system that cannot open directories: the rename is as durable as it gets
+        return
+    try:
+        os.fsync(descriptor)
+    except OSError:
+        pass
+    finally:
+        os.close(descriptor)
+
+
+def resume_checkpoint(ckpt_dir: str | os.PathLike, resume: bool) -> str | None:
+    """``<ckpt_dir>/last.ckpt`` when ``resume`` and it exists (what ``ckpt_path="last"`` finds), else None.
+
+    Only complete files ever carry a ``.ckpt`` name (:class:`AtomicCheckpointIO`); leftovers of a killed save are named.
+    The path is given explicitly, so that a resumed run needs no ``ModelCheckpoint`` of its own to find it.
+    """
+    ckpt_dir = Path(ckpt_dir)
+    for leftover in sorted(ckpt_dir.glob(f".*{PARTIAL_SUFFIX}")):
+        logger.warning("Ignoring %s: a save that did not finish (the next save of that name replaces it)", leftover)
+    if resume and (ckpt_dir / LAST).is_file():
+        logger.info("Resuming from %s", ckpt_dir / LAST)
+        return str(ckpt_dir / LAST)
+    return None
+
+
+class RecipeModelCheckpoint(ModelCheckpoint):
+    """``last.ckpt`` every ``save_every`` optimizer steps (and ``step_<N>.ckpt`` files, the newest ``keep``), plus
+    ``last.ckpt`` at the final step with ``save_final``.
+
+    Lightning's own ``ModelCheckpoint`` writes ``last.ckpt`` at the end of training only when it saved nothing before,
+    so a run of 50 steps saving every 20 would otherwise end with the checkpoint of step 40.
+    """
+
+    def __init__(self, dirpath: str, save_every: int, keep: int, save_final: bool):
+        super().__init__(
+            dirpath=dirpath,
+            filename="step_{step}",
+            auto_insert_metric_name=False,
+            monitor="step",  # "best" = newest: save_top_k keeps the newest `keep` step files
+            mode="max",
+            save_top_k=keep,
+            save_last=True,
+            every_n_train_steps=save_every or 0,
+            save_on_train_epoch_end=False,
+            enable_version_counter=False,  # a resumed run overwrites its own step files, never writes step_N-v1
+        )
+        self.save_final = save_final
+
+    def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx) -> None:
+        super().on_train_batch_end(trainer, pl_module, outputs, batch, batch_idx)
+        if self.save_final and trainer.global_step >= trainer.max_steps and not self._saved_this_step(trainer):
+            self._save_last_checkpoint(trainer, self._monitor_candidates(trainer))
+
+    def on_train_end(self, trainer, pl_module) -> None:
+        if self.save_final:
+            super().on_train_end(trainer, pl_module)
+
+    def _saved_this_step(self, trainer) -> bool:
+        return self._last_global_step_saved == trainer.global_step

@@ -1,0 +1,689 @@
+# Copied from models/codonfm/codonfm_te/modeling_codonfm_te.py — edit the source, then run ci/check_copies.py --fix
+"""CodonFM's Encodon with TransformerEngine layers, Hugging Face compatible, that also runs without TE.
+
+Encodon (NVIDIA, 2025; CodonFM) is a masked language model over codons: 69 tokens (5 special, 64 codons), an
+embedding with a LayerNorm, rotary self-attention and an untied MLM head. Its layers are not the standard pre-norm
+block: each has four LayerNorms (MAGNETO's "Sub-LN"), one before and one inside each sub-layer::
+
+    x = x + dropout(post_attn_dense(post_attn_layer_norm(attention(pre_attn_layer_norm(x)))))
+    x = x + dropout(output_dense(post_ffn_layer_norm(act(intermediate_dense(pre_ffn_layer_norm(x))))))
+
+so no ``te.TransformerLayer`` describes it. ``EncodonLayer`` builds it from TE's pieces instead, each LayerNorm fused
+into the GEMM that follows it (``te.LayerNormLinear``):
+
+* ``self_attention.layernorm_qkv``: pre-attention LayerNorm + the Q, K, V projections (one fused weight, TE's
+  interleaved per-head row layout: head ``h``'s query, key and value rows one after the other);
+* ``self_attention.core_attention``: ``te.DotProductAttention`` on packed tokens (``thd``), padding mask, rotary
+  embeddings on Q and K (the half-split ``rotate_half`` layout, positions from 0 in every sequence);
+* ``self_attention.proj``: post-attention LayerNorm + the output projection (``post_attn_dense``);
+* ``mlp.fc1``: pre-FFN LayerNorm + ``intermediate_dense``; the activation (exact GELU by default);
+* ``mlp.fc2``: post-FFN LayerNorm (over the intermediate width) + ``output_dense``.
+
+Two backends build it with the same parameter names and state-dict keys: ``te`` (TransformerEngine's modules, fused
+RoPE, FP8/FP4 recipes per layer) and ``torch`` (the pure-PyTorch twins in ``torch_layers.py``, used on CPUs and
+wherever TE is missing). ``config.backend`` chooses: ``auto`` (TE when it imports and CUDA is available), ``te`` or
+``torch``. The rotary table is computed here for both backends in float32 (TE's ``RotaryPositionEmbedding`` allocates
+its buffer on the current CUDA device, which rules out meta-device construction and CPUs).
+
+Init is MAGNETO's (Wang et al. 2022, as in the published ``EnCodon._init_weights``): every linear weight is
+Xavier-normal with gain ``initializer_range * sqrt(log(2 * num_hidden_layers))``, except the query and key projections
+(gain 1); biases 0, LayerNorms 1/0, the embedding normal(0, ``initializer_range``) with the padding row zeroed.
+
+Inputs come as BSHD (``input_ids`` [batch, seq] + ``attention_mask``) or THD (packed ``input_ids`` [1, tokens] with
+``cu_seq_lens_q/k`` and ``max_length_q/k``). The encoder always runs on packed tokens: BSHD input is unpadded on the
+way in and re-padded on the way out, so no compute is spent on padding and no sequence attends to another.
+
+This file is self-contained apart from ``torch_layers.py``, ``packing.py`` and ``meta_init.py`` beside it, so the four
+can be copied into a recipe and shipped inside an exported checkpoint (``trust_remote_code=True``).
+"""
+
+import contextlib
+import math
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+from transformers import PreTrainedConfig, PreTrainedModel
+from transformers.modeling_outputs import BaseModelOutput, MaskedLMOutput, SequenceClassifierOutput
+
+
+try:  # package import (models/codonfm, exported checkpoints)
+    from .meta_init import materialize_meta_model
+    from .packing import IGNORE_INDEX, PackedBatch, pack_inputs, token_mean_loss
+    from .torch_layers import DotProductAttention as TorchDotProductAttention
+    from .torch_layers import LayerNormLinear as TorchLayerNormLinear
+    from .torch_layers import apply_rotary_pos_emb as torch_apply_rotary_pos_emb
+except ImportError:  # flat copy inside a recipe folder
+    from meta_init import materialize_meta_model
+    from packing import IGNORE_INDEX, PackedBatch, pack_inputs, token_mean_loss
+    from torch_layers import DotProductAttention as TorchDotProductAttention
+    from torch_layers import LayerNormLinear as TorchLayerNormLinear
+    from torch_layers import apply_rotary_pos_emb as torch_apply_rotary_pos_emb
+
+try:
+    import transformer_engine.pytorch as te
+    from transformer_engine.pytorch.attention.rope import apply_rotary_pos_emb as te_apply_rotary_pos_emb
+
+    _TE_IMPORT_ERROR = None
+except Exception as error:  # ImportError, or a broken CUDA install raising at import
+    te = None
+    _TE_IMPORT_ERROR = error
+
+
+AUTO_MAP = {
+    "AutoConfig": "modeling_codonfm_te.NVEncodonConfig",
+    "AutoModel": "modeling_codonfm_te.NVEncodonModel",
+    "AutoModelForMaskedLM": "modeling_codonfm_te.NVEncodonForMaskedLM",
+    "AutoModelForSequenceClassification": "modeling_codonfm_te.NVEncodonForSequenceClassification",
+}
+
+BACKENDS = ("auto", "te", "torch")
+LAYER_PRECISIONS = (None, "fp8", "fp4")
+ACTIVATIONS = ("gelu", "relu", "silu")  # one Python function per name, the same on both backends
+INIT_SCHEMES = ("magneto",)
+
+
+class NVEncodonConfig(PreTrainedConfig):
+    """The published Encodon settings (EncodonPL's init arguments: same names, same defaults) with the smallest
+    published shape (encodon_80m), plus the special-token ids, the backend, vocabulary padding, per-layer precision
+    and the sequence-classification settings (``num_labels``, ``problem_type``, ``classifier_dropout``)."""
+
+    # There is no Encodon model type in transformers. config.json must name a stock one all the same: a plain
+    # ``AutoTokenizer.from_pretrained(export)`` reads config.json, and an unknown type makes it ask to run custom code
+    # (which a batch job cannot answer). "bert" (a masked-LM encoder with the same config field names) only lets the
+    # tokenizer load without custom code: without ``trust_remote_code`` transformers builds a ``BertForMaskedLM`` that
+    # reports every Encodon weight as missing rather than pass for this model. Our classes load through ``auto_map``
+    # with ``trust_remote_code=True``; the exported ``architectures`` (NVEncodon...) name the real model.
+    model_type = "bert"
+
+    vocab_size: int = 69
+    hidden_size: int = 1024
+    num_hidden_layers: int = 6
+    num_attention_heads: int = 8
+    intermediate_size: int = 4096
+    hidden_act: str = "gelu"
+    hidden_dropout_prob: float | int = 0.1
+    attention_probs_dropout_prob: float | int = 0.1
+    initializer_range: float = 0.02
+    layer_norm_eps: float = 1e-12
+    # Every published model uses EncodonPL's default (EnCodonConfig's own default, 1e5, is overridden by it).
+    rotary_theta: float = 10000.0
+    # The longest sequence (in tokens, <CLS> and <SEP> included) the published models were trained on; the rotary
+    # table itself has no limit.
+    max_position_embeddings: int = 2048
+    cls_token_id: int | None = 0
+    sep_token_id: int | None = 1
+    unk_token_id: int | None = 2
+    pad_token_id: int | None = 3
+    mask_token_id: int | None = 4
+    tie_word_embeddings: bool = False
+    # Dropout before the sequence-classification head; None: hidden_dropout_prob.
+    classifier_dropout: float | None = None
+    # The init the weights are drawn from, named so that shared init checks (tests/init_statistics.py) know it.
+    init_scheme: str = "magneto"
+    # "auto" | "te" | "torch"; see module docstring.
+    backend: str = "auto"
+    # Embedding/decoder rows, rounded up so the vocabulary GEMM is well aligned. None: vocab_size rounded to 64 (128).
+    padded_vocab_size: int | None = None
+    # One entry per layer: None (bf16/fp32), "fp8" or "fp4"; the matching TE recipe is passed to the model.
+    layer_precision: list | None = None
+
+    def __post_init__(self, **kwargs):
+        super().__post_init__(**kwargs)
+        if self.padded_vocab_size is None and self.vocab_size is not None:
+            self.padded_vocab_size = 64 * math.ceil(self.vocab_size / 64)
+        self.validate_nv_encodon()
+
+    @property
+    def head_dim(self) -> int:
+        return self.hidden_size // self.num_attention_heads
+
+    def validate_nv_encodon(self) -> None:
+        """Raise ``ValueError`` naming every setting this implementation cannot honour."""
+        problems = []
+        if self.backend not in BACKENDS:
+            problems.append(f"backend must be one of {BACKENDS}, got {self.backend!r}")
+        if self.hidden_act not in ACTIVATIONS:
+            problems.append(f"hidden_act must be one of {ACTIVATIONS}, got {self.hidden_act!r}")
+        if self.init_scheme not in INIT_SCHEMES:
+            problems.append(
+                f"init_scheme must be one of {INIT_SCHEMES} (the published init), got {self.init_scheme!r}"
+            )
+        if self.tie_word_embeddings:
+            problems.append("tie_word_embeddings must be False: Encodon's decoder is not tied to the embedding")
+        if self.num_hidden_layers <= 0 or self.hidden_size <= 0 or self.intermediate_size <= 0:
+            problems.append("num_hidden_layers, hidden_size and intermediate_size must be positive")
+        elif self.num_attention_heads <= 0 or self.hidden_size % self.num_attention_heads:
+            problems.append(
+                f"hidden_size ({self.hidden_size}) must be divisible by num_attention_heads ({self.num_attention_heads})"
+            )
+        elif self.head_dim % 2:
+            problems.append(f"the head dimension ({self.head_dim}) must be even (rotary embeddings rotate pairs)")
+        for name in ("hidden_dropout_prob", "attention_probs_dropout_prob", "classifier_dropout"):
+            value = getattr(self, name)
+            if value is not None and not 0 <= value < 1:
+                problems.append(f"{name} must be in [0, 1), got {value!r}")
+        if self.rotary_theta <= 0 or self.initializer_range <= 0 or self.layer_norm_eps <= 0:
+            problems.append("rotary_theta, initializer_range and layer_norm_eps must be positive")
+        if self.vocab_size is None or self.vocab_size <= 0:
+            problems.append(f"vocab_size must be positive, got {self.vocab_size!r}")
+        else:
+            if self.padded_vocab_size < self.vocab_size:
+                problems.append(f"padded_vocab_size ({self.padded_vocab_size}) < vocab_size ({self.vocab_size})")
+            if self.pad_token_id is None or not 0 <= self.pad_token_id < self.vocab_size:
+                problems.append(f"pad_token_id must be a token id below vocab_size, got {self.pad_token_id!r}")
+        if self.layer_precision is not None:
+            if len(self.layer_precision) != self.num_hidden_layers:
+                problems.append(
+                    f"layer_precision has {len(self.layer_precision)} entries for {self.num_hidden_layers} layers"
+                )
+            bad = sorted({str(p) for p in self.layer_precision if p not in LAYER_PRECISIONS})
+            if bad:
+                problems.append(f"layer_precision entries must be None, 'fp8' or 'fp4', got {bad}")
+        if problems:
+            raise ValueError("Invalid NVEncodonConfig: " + "; ".join(problems))
+
+
+def resolve_backend(requested: str) -> str:
+    """Map ``auto`` to a concrete backend; refuse ``te`` where it cannot run."""
+    te_usable = _TE_IMPORT_ERROR is None and torch.cuda.is_available()
+    if requested == "te" and not te_usable:
+        reason = f"TransformerEngine failed to import ({_TE_IMPORT_ERROR!r})" if te is None else "no CUDA device"
+        raise RuntimeError(f"backend='te' was requested but cannot run here: {reason}. Use backend='torch' or 'auto'.")
+    if requested == "auto":
+        return "te" if te_usable else "torch"
+    return requested
+
+
+def _activation(x: torch.Tensor, name: str) -> torch.Tensor:
+    if name == "relu":
+        return F.relu(x)
+    if name == "silu":
+        return F.silu(x)
+    return F.gelu(x)  # exact (erf) GELU, the published hidden_act "gelu" and the heads' nn.GELU()
+
+
+# ---------------------------------------------------------------------------------------------------- MAGNETO init
+
+
+def magneto_gain(config: NVEncodonConfig) -> float:
+    """The published Xavier gain of every linear weight but the query and key projections."""
+    return config.initializer_range * math.sqrt(math.log(2 * config.num_hidden_layers))
+
+
+def magneto_init_(weight: torch.Tensor, role: str, config: NVEncodonConfig) -> None:
+    """Draw ``weight`` [out, in] as the published ``nn.Linear`` it stands for: Xavier-normal, std = gain *
+    sqrt(2 / (fan_in + fan_out)).
+
+    ``role`` says which: ``"qkv"`` is the fused [query; key; value] projection in TE's interleaved per-head row order,
+    drawn block by block as three [hidden, hidden] linears (query and key gain 1, value the scaled gain);
+    ``"decoder"`` is the MLM decoder, whose padded vocabulary rows are drawn like the real ones but whose fan-out is
+    the real vocabulary (as published); every other role (``"linear"``) uses the weight's own shape.
+    """
+    if getattr(weight, "_is_hf_initialized", False):  # loaded by from_pretrained: never overwrite
+        return
+    gain = magneto_gain(config)
+    with torch.no_grad():
+        if role == "qkv":
+            hidden = config.hidden_size
+            per_head = weight.view(config.num_attention_heads, 3, config.head_dim, weight.shape[-1])
+            query_key_std, value_std = math.sqrt(2 / (2 * hidden)), gain * math.sqrt(2 / (2 * hidden))
+            for block, std in ((0, query_key_std), (1, query_key_std), (2, value_std)):
+                per_head[:, block].normal_(0.0, std)
+            return
+        fan_out = config.vocab_size if role == "decoder" else weight.shape[0]
+        weight.normal_(0.0, gain * math.sqrt(2 / (weight.shape[1] + fan_out)))
+
+
+def _magneto_init_method(role: str, config: NVEncodonConfig):
+    """``init_method`` for a backend layer: its ``reset_parameters`` then draws what ``_init_weights`` draws."""
+
+    def init_method(weight: torch.Tensor) -> None:
+        magneto_init_(weight, role, config)
+
+    return init_method
+
+
+def _tag(module: nn.Module, role: str) -> nn.Module:
+    """Mark a linear (or LayerNorm + linear) module with its MAGNETO role, so ``_init_weights`` needs no names."""
+    module.magneto_role = role
+    return module
+
+
+# ----------------------------------------------------------------------------------------------------------- layers
+
+
+class NVEncodonRotaryEmbedding(nn.Module):
+    """Rotary angles as TE expects them: [seq, 1, 1, head_dim] float32, half-split (cat(freqs, freqs)) layout."""
+
+    def __init__(self, head_dim: int, theta: float = 10000.0):
+        super().__init__()
+        self.head_dim = head_dim
+        self.theta = theta
+        self.register_buffer("inv_freq", self._inv_freq(), persistent=False)
+
+    def _inv_freq(self, device=None) -> torch.Tensor:
+        # The published formula, term for term, so that a checkpoint's stored inv_freq can be compared with it.
+        exponents = torch.arange(0, self.head_dim, 2, device=device).float() / self.head_dim
+        return 1.0 / (self.theta**exponents)
+
+    def reset_parameters(self) -> None:
+        self.inv_freq = self._inv_freq(self.inv_freq.device)
+
+    def forward(self, max_seqlen: int) -> torch.Tensor:
+        inv_freq = self.inv_freq
+        if inv_freq.dtype != torch.float32:  # model.to(bfloat16) cast the buffer: recompute rather than round angles
+            inv_freq = self._inv_freq(inv_freq.device)
+        positions = torch.arange(max_seqlen, device=inv_freq.device, dtype=torch.float32)
+        freqs = torch.outer(positions, inv_freq)
+        return torch.cat((freqs, freqs), dim=-1).view(max_seqlen, 1, 1, self.head_dim)
+
+
+def _layer_kwargs(config: NVEncodonConfig, backend: str) -> dict:
+    kwargs = {
+        "eps": config.layer_norm_eps,
+        "bias": True,
+        "normalization": "LayerNorm",
+        "params_dtype": config.dtype if isinstance(config.dtype, torch.dtype) else torch.float32,
+    }
+    if backend == "te":  # TE allocates on CUDA unless told otherwise; honour a meta-device context
+        kwargs["device"] = "meta" if torch.empty(0).device.type == "meta" else "cuda"
+    return kwargs
+
+
+class EncodonSelfAttention(nn.Module):
+    """``x -> proj(attention(rotary(layernorm_qkv(x))))``: the pre-attention LayerNorm fused into the QKV GEMM, the
+    post-attention LayerNorm fused into the output projection."""
+
+    def __init__(self, config: NVEncodonConfig, backend: str, layer_number: int):
+        super().__init__()
+        hidden = config.hidden_size
+        self.backend = backend
+        self.num_heads, self.head_dim = config.num_attention_heads, config.head_dim
+        linear_class = te.LayerNormLinear if backend == "te" else TorchLayerNormLinear
+        attention_class = te.DotProductAttention if backend == "te" else TorchDotProductAttention
+        kwargs = _layer_kwargs(config, backend)
+        self.layernorm_qkv = _tag(
+            linear_class(hidden, 3 * hidden, init_method=_magneto_init_method("qkv", config), **kwargs), "qkv"
+        )
+        self.core_attention = attention_class(
+            num_attention_heads=self.num_heads,
+            kv_channels=self.head_dim,
+            attention_dropout=config.attention_probs_dropout_prob,
+            qkv_format="thd",
+            attn_mask_type="padding",
+            layer_number=layer_number,
+        )
+        self.proj = _tag(
+            linear_class(hidden, hidden, init_method=_magneto_init_method("linear", config), **kwargs), "linear"
+        )
+
+    def _rotate(self, t: torch.Tensor, freqs: torch.Tensor, cu_seqlens: torch.Tensor) -> torch.Tensor:
+        if self.backend == "te":
+            return te_apply_rotary_pos_emb(t, freqs, tensor_format="thd", fused=True, cu_seqlens=cu_seqlens)
+        return torch_apply_rotary_pos_emb(t, freqs, tensor_format="thd", cu_seqlens=cu_seqlens)
+
+    def forward(self, hidden: torch.Tensor, rotary: torch.Tensor, cu_seqlens: torch.Tensor, max_seqlen: int):
+        # [tokens, 3 * hidden] in TE's interleaved layout: per head its query, key and value rows.
+        mixed = self.layernorm_qkv(hidden).view(-1, self.num_heads, 3, self.head_dim)
+        query, key, value = mixed.unbind(dim=2)
+        query, key = self._rotate(query, rotary, cu_seqlens), self._rotate(key, rotary, cu_seqlens)
+        context = self.core_attention(
+            query,
+            key,
+            value,
+            qkv_format="thd",
+            attn_mask_type="padding",
+            cu_seqlens_q=cu_seqlens,
+            cu_seqlens_kv=cu_seqlens,
+            max_seqlen_q=max_seqlen,
+            max_seqlen_kv=max_seqlen,
+        )
+        return self.proj(context)
+
+
+class EncodonMLP(nn.Module):
+    """``x -> fc2(act(fc1(x)))``: the pre-FFN LayerNorm fused into ``fc1``, the post-FFN LayerNorm (over the
+    intermediate width) into ``fc2``."""
+
+    def __init__(self, config: NVEncodonConfig, backend: str):
+        super().__init__()
+        linear_class = te.LayerNormLinear if backend == "te" else TorchLayerNormLinear
+        kwargs = _layer_kwargs(config, backend)
+        init_method = _magneto_init_method("linear", config)
+        hidden, ffn = config.hidden_size, config.intermediate_size
+        self.fc1 = _tag(linear_class(hidden, ffn, init_method=init_method, **kwargs), "linear")
+        self.fc2 = _tag(linear_class(ffn, hidden, init_method=init_method, **kwargs), "linear")
+        self.activation = config.hidden_act
+
+    def forward(self, hidden: torch.Tensor) -> torch.Tensor:
+        return self.fc2(_activation(self.fc1(hidden), self.activation))
+
+
+class EncodonLayer(nn.Module):
+    """One Encodon layer (the unit FSDP wraps): Sub-LN attention and FFN blocks, each with dropout and a residual."""
+
+    def __init__(self, config: NVEncodonConfig, backend: str, layer_number: int):
+        super().__init__()
+        self.self_attention = EncodonSelfAttention(config, backend, layer_number)
+        self.mlp = EncodonMLP(config, backend)
+        self.hidden_dropout = config.hidden_dropout_prob
+
+    def forward(self, hidden: torch.Tensor, rotary: torch.Tensor, cu_seqlens: torch.Tensor, max_seqlen: int):
+        attention = self.self_attention(hidden, rotary, cu_seqlens, max_seqlen)
+        hidden = hidden + F.dropout(attention, self.hidden_dropout, self.training)
+        return hidden + F.dropout(self.mlp(hidden), self.hidden_dropout, self.training)
+
+
+class NVEncodonEmbeddings(nn.Module):
+    """Codon embedding (padding row ``pad_token_id``), LayerNorm, dropout; no position embedding (rotary)."""
+
+    def __init__(self, config: NVEncodonConfig):
+        super().__init__()
+        self.word_embeddings = nn.Embedding(
+            config.padded_vocab_size, config.hidden_size, padding_idx=config.pad_token_id
+        )
+        self.layer_norm = nn.LayerNorm(config.hidden_size, eps=config.layer_norm_eps)
+        self.dropout = config.hidden_dropout_prob
+
+    def forward(self, input_ids: torch.Tensor) -> torch.Tensor:
+        return F.dropout(self.layer_norm(self.word_embeddings(input_ids)), self.dropout, self.training)
+
+
+# ----------------------------------------------------------------------------------------------------------- models
+
+
+class NVEncodonPreTrainedModel(PreTrainedModel):
+    config_class = NVEncodonConfig
+    config: NVEncodonConfig
+    base_model_prefix = "encodon"
+    _no_split_modules = ["EncodonLayer"]
+    # TE keeps FP8 scaling state in `_extra_state`; it is runtime bookkeeping, not part of a published model.
+    _keys_to_ignore_on_load_missing = [r"_extra_state"]
+    _keys_to_ignore_on_load_unexpected = [r"_extra_state"]
+
+    @torch.no_grad()
+    def _init_weights(self, module: nn.Module) -> None:
+        """MAGNETO (see the module docstring), module by module: each module knows its role from its tag."""
+        role = getattr(module, "magneto_role", None)
+        if role is not None:  # nn.Linear, or a (TE or twin) LayerNormLinear
+            if getattr(module, "layer_norm_weight", None) is not None:
+                nn.init.ones_(module.layer_norm_weight)
+                nn.init.zeros_(module.layer_norm_bias)
+            magneto_init_(module.weight, role, self.config)
+            if getattr(module, "bias", None) is not None:
+                nn.init.zeros_(module.bias)
+        elif isinstance(module, nn.Embedding):
+            nn.init.normal_(module.weight, mean=0.0, std=self.config.initializer_range)
+            if module.padding_idx is not None and not getattr(module.weight, "_is_hf_initialized", False):
+                module.weight[module.padding_idx].zero_()
+        elif isinstance(module, nn.LayerNorm):
+            nn.init.ones_(module.weight)
+            nn.init.zeros_(module.bias)
+        elif isinstance(module, NVEncodonRotaryEmbedding):
+            module.reset_parameters()
+
+    def init_empty_weights(self, device: torch.device | str | None = None) -> None:
+        """Materialise a meta-device model (FSDP2-sharded or not) on ``device`` and initialise every weight.
+
+        Build the model under ``torch.device("meta")``, shard it, then call this: parameters are allocated
+        shard by shard and initialised with the same distributions as direct construction.
+        """
+        if device is None:
+            device = torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available() else "cpu"
+        materialize_meta_model(self, device, self._init_weights)
+
+
+class NVEncodonModel(NVEncodonPreTrainedModel):
+    """The Encodon encoder. ``last_hidden_state`` is the last layer's output (the published model has no final norm:
+    the MLM head normalises inside), in the caller's layout."""
+
+    def __init__(self, config: NVEncodonConfig, fp8_recipe=None, fp4_recipe=None):
+        super().__init__(config)
+        self.backend = resolve_backend(config.backend)
+        self.embeddings = NVEncodonEmbeddings(config)
+        self.layers = nn.ModuleList(
+            EncodonLayer(config, self.backend, index + 1) for index in range(config.num_hidden_layers)
+        )
+        self.rotary_embeddings = NVEncodonRotaryEmbedding(config.head_dim, config.rotary_theta)
+        self.layer_precision = list(config.layer_precision or [None] * config.num_hidden_layers)
+        self._recipes = {"fp8": fp8_recipe, "fp4": fp4_recipe}
+        for precision in set(self.layer_precision) - {None}:
+            if self._recipes[precision] is None:
+                raise ValueError(f"config.layer_precision asks for {precision} but no {precision}_recipe was passed")
+            if self.backend != "te":
+                raise ValueError(f"{precision} layers need the TransformerEngine backend (this model uses 'torch')")
+        self.post_init()
+
+    def get_input_embeddings(self) -> nn.Embedding:
+        return self.embeddings.word_embeddings
+
+    def set_input_embeddings(self, value: nn.Embedding) -> None:
+        self.embeddings.word_embeddings = value
+
+    def _precision_context(self, layer_index: int):
+        precision = self.layer_precision[layer_index]
+        if self.backend != "te" or all(p is None for p in self.layer_precision):
+            return contextlib.nullcontext()  # leave any caller-level autocast in charge
+        recipe = self._recipes.get(precision) if precision else None
+        return te.autocast(enabled=recipe is not None, recipe=recipe)
+
+    def _alignment(self) -> int:
+        return 16 if any(p is not None for p in self.layer_precision) else 1
+
+    def pack(self, input_ids, attention_mask=None, cu_seq_lens_q=None, cu_seq_lens_k=None, max_length_q=None):
+        return pack_inputs(
+            input_ids,
+            attention_mask,
+            cu_seq_lens_q,
+            cu_seq_lens_k,
+            max_length_q,
+            self.config.pad_token_id,
+            self._alignment(),
+        )
+
+    def forward_packed(self, packed: PackedBatch, output_hidden_states: bool = False):
+        """Run the encoder on packed tokens: returns ([tokens, hidden], tuple of per-layer inputs and the last output,
+        or None)."""
+        hidden = self.embeddings(packed.input_ids)
+        rotary = self.rotary_embeddings(packed.max_seqlen)
+        all_hidden = []
+        for index, layer in enumerate(self.layers):
+            if output_hidden_states:
+                all_hidden.append(hidden)
+            with self._precision_context(index):
+                hidden = layer(hidden, rotary, packed.cu_seqlens, packed.max_seqlen)
+        if output_hidden_states:
+            all_hidden.append(hidden)
+        return hidden, (tuple(all_hidden) if output_hidden_states else None)
+
+    def forward(
+        self,
+        input_ids: torch.Tensor,
+        attention_mask: torch.Tensor | None = None,
+        cu_seq_lens_q: torch.Tensor | None = None,
+        cu_seq_lens_k: torch.Tensor | None = None,
+        max_length_q: int | None = None,
+        max_length_k: int | None = None,
+        output_hidden_states: bool | None = None,
+        return_dict: bool | None = None,
+        **kwargs,
+    ) -> BaseModelOutput:
+        packed = self.pack(input_ids, attention_mask, cu_seq_lens_q, cu_seq_lens_k, max_length_q)
+        hidden, all_hidden = self.forward_packed(packed, bool(output_hidden_states))
+        return BaseModelOutput(
+            last_hidden_state=packed.unpack(hidden),
+            hidden_states=tuple(packed.unpack(h) for h in all_hidden) if all_hidden else None,
+        )
+
+
+class NVEncodonLMHead(nn.Module):
+    """The published ``cls``: dense -> GELU -> LayerNorm -> decoder (untied, with bias). Always in high precision."""
+
+    def __init__(self, config: NVEncodonConfig):
+        super().__init__()
+        self.dense = _tag(nn.Linear(config.hidden_size, config.hidden_size), "linear")
+        self.layer_norm = nn.LayerNorm(config.hidden_size, eps=config.layer_norm_eps)
+        self.decoder = _tag(nn.Linear(config.hidden_size, config.padded_vocab_size), "decoder")
+        self.vocab_size = config.vocab_size
+
+    def forward(self, hidden: torch.Tensor) -> torch.Tensor:
+        x = self.layer_norm(_activation(self.dense(hidden), "gelu"))
+        # The GEMM runs over the padded vocabulary; the padding columns are cut before anyone sees them.
+        return self.decoder(x)[..., : self.vocab_size]
+
+
+class NVEncodonForMaskedLM(NVEncodonPreTrainedModel):
+    def __init__(self, config: NVEncodonConfig, fp8_recipe=None, fp4_recipe=None):
+        super().__init__(config)
+        self.encodon = NVEncodonModel(config, fp8_recipe=fp8_recipe, fp4_recipe=fp4_recipe)
+        self.lm_head = NVEncodonLMHead(config)
+        self.post_init()
+
+    @property
+    def backend(self) -> str:
+        return self.encodon.backend
+
+    def get_output_embeddings(self) -> nn.Linear:
+        return self.lm_head.decoder
+
+    def set_output_embeddings(self, value: nn.Linear) -> None:
+        self.lm_head.decoder = value
+
+    def forward(
+        self,
+        input_ids: torch.Tensor,
+        attention_mask: torch.Tensor | None = None,
+        labels: torch.Tensor | None = None,
+        cu_seq_lens_q: torch.Tensor | None = None,
+        cu_seq_lens_k: torch.Tensor | None = None,
+        max_length_q: int | None = None,
+        max_length_k: int | None = None,
+        output_hidden_states: bool | None = None,
+        return_dict: bool | None = None,
+        labeled_logits_only: bool = False,
+        **kwargs,
+    ) -> MaskedLMOutput:
+        """The masked-LM forward. ``labeled_logits_only=True`` (training) runs the head only on the tokens that have a
+        label (the ~15% masked codons) and returns their logits as [labeled tokens, vocab], in packed order; the loss
+        is the same as with every token's logits, without the head's GEMMs and the float32 softmax on rows the loss
+        never reads."""
+        packed = self.encodon.pack(input_ids, attention_mask, cu_seq_lens_q, cu_seq_lens_k, max_length_q)
+        hidden, all_hidden = self.encodon.forward_packed(packed, bool(output_hidden_states))
+        targets = None if labels is None else packed.pack_like(labels)
+        if labeled_logits_only:
+            if targets is None:
+                raise ValueError("labeled_logits_only=True needs labels: they say which tokens get logits")
+            labeled = (targets != IGNORE_INDEX).nonzero().squeeze(1)  # one host sync: the row count sets the shape
+            logits = self.lm_head(hidden.index_select(0, labeled))
+            loss = token_mean_loss(logits, targets.index_select(0, labeled))
+        else:
+            logits = self.lm_head(hidden)
+            loss = None if targets is None else token_mean_loss(logits, targets)
+            logits = packed.unpack(logits)
+        return MaskedLMOutput(
+            loss=loss,
+            logits=logits,
+            hidden_states=tuple(packed.unpack(h) for h in all_hidden) if all_hidden else None,
+        )
+
+
+def sequence_means(hidden: torch.Tensor, packed: PackedBatch) -> torch.Tensor:
+    """[sequences, hidden]: the mean of each packed sequence's tokens (alignment padding left out), in float32."""
+    lengths = packed.cu_seqlens[1:] - packed.cu_seqlens[:-1]
+    if packed.num_real_tokens is not None:  # the last segment is the FP8 alignment padding
+        lengths, hidden = lengths[:-1], hidden[: packed.num_real_tokens]
+    sequence_of_token = torch.repeat_interleave(
+        torch.arange(len(lengths), device=hidden.device), lengths, output_size=hidden.shape[0]
+    )
+    sums = hidden.new_zeros(len(lengths), hidden.shape[-1], dtype=torch.float32)
+    sums.index_add_(0, sequence_of_token, hidden.float())
+    return sums / lengths.clamp(min=1).unsqueeze(-1)  # an empty BSHD row (all padding) pools to zeros
+
+
+class NVEncodonClassificationHead(nn.Module):
+    """Pooled sequence -> dropout -> dense -> GELU -> dense to ``num_labels``."""
+
+    def __init__(self, config: NVEncodonConfig):
+        super().__init__()
+        dropout = config.classifier_dropout
+        self.dropout = config.hidden_dropout_prob if dropout is None else dropout
+        self.dense = _tag(nn.Linear(config.hidden_size, config.hidden_size), "linear")
+        self.out_proj = _tag(nn.Linear(config.hidden_size, config.num_labels), "linear")
+
+    def forward(self, pooled: torch.Tensor) -> torch.Tensor:
+        pooled = F.dropout(pooled, self.dropout, self.training)
+        return self.out_proj(_activation(self.dense(pooled), "gelu"))
+
+
+class NVEncodonForSequenceClassification(NVEncodonPreTrainedModel):
+    """A sequence-level head on the encoder, with Hugging Face's semantics: ``num_labels`` outputs per sequence,
+    ``problem_type`` regression (MSE), single_label_classification (cross-entropy) or multi_label_classification
+    (BCE with logits); unset, it follows from ``num_labels`` and the labels' dtype as in transformers. The head reads
+    the mean of the last hidden state over each sequence's real tokens (<CLS> and <SEP> included, padding not).
+    Logits are [sequences, num_labels] for BSHD (one row per batch row) and THD (one per packed sequence) alike."""
+
+    def __init__(self, config: NVEncodonConfig, fp8_recipe=None, fp4_recipe=None):
+        super().__init__(config)
+        self.num_labels = config.num_labels
+        self.encodon = NVEncodonModel(config, fp8_recipe=fp8_recipe, fp4_recipe=fp4_recipe)
+        self.classifier = NVEncodonClassificationHead(config)
+        self.post_init()
+
+    @property
+    def backend(self) -> str:
+        return self.encodon.backend
+
+    def _loss(self, logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
+        problem_type = self.config.problem_type
+        if problem_type is None:
+            if self.num_labels == 1:
+                problem_type = "regression"
+            elif labels.dtype in (torch.long, torch.int):
+                problem_type = "single_label_classification"
+            else:
+                problem_type = "multi_label_classification"
+        logits = logits.float()
+        if problem_type == "regression":
+            return F.mse_loss(logits.reshape(labels.shape[0], -1), labels.float().reshape(labels.shape[0], -1))
+        if problem_type == "single_label_classification":
+            return F.cross_entropy(logits, labels.reshape(-1).long())
+        return F.binary_cross_entropy_with_logits(logits, labels.float().reshape(logits.shape))
+
+    def forward(
+        self,
+        input_ids: torch.Tensor,
+        attention_mask: torch.Tensor | None = None,
+        labels: torch.Tensor | None = None,
+        cu_seq_lens_q: torch.Tensor | None = None,
+        cu_seq_lens_k: torch.Tensor | None = None,
+        max_length_q: int | None = None,
+        max_length_k: int | None = None,
+        output_hidden_states: bool | None = None,
+        return_dict: bool | None = None,
+        **kwargs,
+    ) -> SequenceClassifierOutput:
+        packed = self.encodon.pack(input_ids, attention_mask, cu_seq_lens_q, cu_seq_lens_k, max_length_q)
+        hidden, all_hidden = self.encodon.forward_packed(packed, bool(output_hidden_states))
+        pooled = sequence_means(hidden, packed).to(hidden.dtype)
+        logits = self.classifier(pooled)
+        if labels is not None and labels.shape[0] != logits.shape[0]:
+            raise ValueError(
+                f"labels has {labels.shape[0]} rows for {logits.shape[0]} sequences: give one per sequence"
+            )
+        return SequenceClassifierOutput(
+            loss=None if labels is None else self._loss(logits, labels),
+            logits=logits,
+            hidden_states=tuple(packed.unpack(h) for h in all_hidden) if all_hidden else None,
+        )
+
+
+__all__ = [
+    "AUTO_MAP",
+    "EncodonLayer",
+    "NVEncodonConfig",
+    "NVEncodonForMaskedLM",
+    "NVEncodonForSequenceClassification",
+    "NVEncodonModel",
+    "NVEncodonPreTrainedModel",
+]

@@ -1,0 +1,72 @@
+"""checkpoint_io.py: checkpoints reach their name only when complete, a killed save never costs the last good one, and
+ModelCheckpoint saves what the config asks for (every N steps, the newest k step files, the final step)."""
+
+import lightning as L
+import pytest
+import torch
+from checkpoint_io import AtomicCheckpointIO, RecipeModelCheckpoint, partial_path, resume_checkpoint
+
+
+class Unpicklable:
+    """Fails half-way through torch.save, after the tensors before it were written: a save that dies mid-write."""
+
+    def __reduce__(self):
+        raise RuntimeError("disk full")
+
+
+def test_a_failed_save_keeps_the_last_good_checkpoint(tmp_path):
+    io = AtomicCheckpointIO()
+    path = tmp_path / "checkpoints" / "last.ckpt"
+    io.save_checkpoint({"step": 1, "weights": torch.arange(1000.0)}, path)
+    good = path.read_bytes()
+    assert not partial_path(path).exists()
+    with pytest.raises(RuntimeError, match="disk full"):
+        io.save_checkpoint({"weights": torch.ones(100_000), "later": Unpicklable()}, path)
+    assert path.read_bytes() == good  # never touched: the new bytes went to the partial file
+    assert not partial_path(path).exists()  # and the partial file was removed
+    assert io.load_checkpoint(path)["step"] == 1
+
+
+def test_resume_picks_last_ckpt_and_never_a_partial_file(tmp_path):
+    assert resume_checkpoint(tmp_path / "missing", resume=True) is None
+    tmp_path.joinpath(".last.ckpt.partial").write_bytes(b"torn")
+    assert resume_checkpoint(tmp_path, resume=True) is None  # a leftover alone is no checkpoint
+    AtomicCheckpointIO().save_checkpoint({"step": 3}, tmp_path / "last.ckpt")
+    assert resume_checkpoint(tmp_path, resume=True) == str(tmp_path / "last.ckpt")
+    assert resume_checkpoint(tmp_path, resume=False) is None
+
+
+class Tiny(L.LightningModule):
+    def __init__(self):
+        super().__init__()
+        self.layer = torch.nn.Linear(2, 1)
+
+    def training_step(self, batch, batch_idx):
+        return self.layer(batch).pow(2).mean()
+
+    def configure_optimizers(self):
+        return torch.optim.SGD(self.parameters(), lr=0.1)
+
+
+def fit(tmp_path, max_steps: int, **checkpoint_kwargs) -> list[str]:
+    callback = RecipeModelCheckpoint(dirpath=str(tmp_path), **checkpoint_kwargs)
+    trainer = L.Trainer(
+        accelerator="cpu", max_steps=max_steps, callbacks=[callback], plugins=[AtomicCheckpointIO()], logger=False,
+        enable_progress_bar=False, enable_model_summary=False,
+    )  # fmt: skip
+    trainer.fit(Tiny(), torch.utils.data.DataLoader(torch.randn(64, 2), batch_size=4))
+    return sorted(p.name for p in tmp_path.iterdir())
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "files", "last_step"),
+    [
+        ({"save_every": 2, "keep": 1, "save_final": True}, ["last.ckpt", "step_4.ckpt"], 5),  # final step 5 too
+        ({"save_every": 2, "keep": 0, "save_final": False}, ["last.ckpt"], 4),
+        ({"save_every": 2, "keep": -1, "save_final": True}, ["last.ckpt", "step_2.ckpt", "step_4.ckpt"], 5),
+        ({"save_every": 0, "keep": 0, "save_final": True}, ["last.ckpt"], 5),
+    ],
+)
+def test_model_checkpoint_saves_every_n_steps_and_the_final_step(tmp_path, kwargs, files, last_step):
+    assert fit(tmp_path, 5, **kwargs) == files
+    assert torch.load(tmp_path / "last.ckpt", weights_only=False)["global_step"] == last_step

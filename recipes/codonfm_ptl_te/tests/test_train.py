@@ -1,0 +1,121 @@
+"""train.py end to end on CPU, launched the way a user launches it (``python train.py``, ``torchrun``).
+
+References are independent of the code under test: the validation loss must come close to the Bayes-optimal
+masked-codon loss of the synthetic data and far below its unigram entropy (sanity_reference.py computes both from the
+Markov chain that generated the data), an interrupted run must match an uninterrupted one bit for bit, and the
+Lightning loop must give the losses of a plain PyTorch loop over the same model and batches.
+"""
+
+import json
+from pathlib import Path
+
+import pytest
+import torch
+from launch import RECIPE_DIR, assert_logs_read_well_off_a_terminal, run_script
+from sanity_reference import reference_numbers
+
+
+DROPOUT = ["model_config_overrides.hidden_dropout_prob=0.1", "model_config_overrides.attention_probs_dropout_prob=0.1"]
+
+
+def read_jsonl(path: Path) -> list[dict]:
+    return [json.loads(line) for line in path.read_text().splitlines()]
+
+
+@pytest.fixture(scope="module")
+def reference() -> dict:
+    """Bayes-optimal loss and unigram entropy of the shipped validation set, with L0_sanity's masks (seed 42)."""
+    return reference_numbers(RECIPE_DIR / "data" / "sanity_val.parquet", seed=42)
+
+
+def test_l0_sanity_learns_to_near_the_bayes_optimum(tmp_path, reference):
+    """The shipped L0 config, unchanged, in one process: the final validation loss is within 0.2 nats of the best any
+    model can do on this data, and more than 3 nats below what codon frequencies alone give."""
+    result = run_script("train.py", f"output_dir={tmp_path}", timeout=400)
+    assert_logs_read_well_off_a_terminal(result)
+    validations = read_jsonl(tmp_path / "val_metrics.jsonl")
+    assert [v["step"] for v in validations] == [200, 400, 600]
+    final = validations[-1]["val_loss"]
+    assert final < reference["optimal_masked_loss"] + 0.2, (final, reference)
+    assert final < reference["unigram_entropy"] - 3.0, (final, reference)
+    assert final >= reference["optimal_masked_loss"] - 0.02  # nothing beats the optimum (up to float noise)
+    summary = json.loads((tmp_path / "summary.json").read_text())
+    assert summary["steps"] == 600 and summary["final_val"]["val_loss"] == final
+    assert summary["median_tokens_per_second_per_gpu"] > 0 and summary["strategy"] == "ddp"
+    assert (tmp_path / "checkpoints" / "last.ckpt").is_file() and (tmp_path / "final_model" / "config.json").is_file()
+
+
+def test_ddp_on_two_processes_learns(tmp_path, reference):
+    """DDP over 2 gloo processes (torchrun): in 100 steps the validation loss is already well below the unigram
+    entropy, so both ranks train one model on their own shares. (FSDP2 on 2 processes: the resume test below.)"""
+    steps = ["num_train_steps=100", "lr_scheduler_kwargs.num_decay_steps=70", "trainer.val_check_interval=100"]
+    run_script("train.py", f"output_dir={tmp_path}", *steps, nproc=2, timeout=400)
+    final = read_jsonl(tmp_path / "val_metrics.jsonl")[-1]["val_loss"]
+    assert final < reference["unigram_entropy"] - 1.0, final
+    summary = json.loads((tmp_path / "summary.json").read_text())
+    assert summary["world_size"] == 2 and summary["strategy"] == "ddp"
+
+
+@pytest.mark.parametrize("strategy", ["ddp", "fsdp2"])
+def test_stop_and_resume_is_exact(tmp_path, strategy):
+    """2 processes, packed (THD) batches, dropout on: 20 steps in one go, or 10 steps, stop, relaunch to 20. The
+    relaunch continues from last.ckpt (weights, AdamW, schedule, each rank's data position, dropout streams) and logs
+    the same losses and gradient norms, bit for bit, and ends with the same weights."""
+    common = ["logger.log_every=1", "trainer.val_check_interval=7", "checkpoint.save_every=10", *DROPOUT]
+    common += [f"strategy={strategy}", "data.token_budget=1024"]
+    full, resumed = tmp_path / "full", tmp_path / "resumed"
+    run_script("train.py", f"output_dir={full}", "num_train_steps=20", *common, nproc=2)
+    run_script("train.py", f"output_dir={resumed}", "num_train_steps=10", *common, nproc=2)
+    checkpoint = torch.load(resumed / "checkpoints" / "last.ckpt", map_location="cpu", weights_only=False)
+    positions = [state[0]["_index_sampler_state"] for state in checkpoint["per_rank_loader_states"]]
+    assert checkpoint["global_step"] == 10 and positions[0] != positions[1]  # the ranks are at different rows
+    result = run_script("train.py", f"output_dir={resumed}", "num_train_steps=20", *common, nproc=2)
+    assert "Resuming from" in result.stdout + result.stderr
+
+    expected, got = read_jsonl(full / "metrics.jsonl"), read_jsonl(resumed / "metrics.jsonl")
+    assert [m["step"] for m in got] == list(range(1, 21))  # metrics.jsonl appends across the relaunch
+    assert [(m["loss"], m["grad_norm"]) for m in got] == [(m["loss"], m["grad_norm"]) for m in expected]
+    assert expected[-1]["loss"] < expected[0]["loss"]
+    assert read_jsonl(resumed / "val_metrics.jsonl") == read_jsonl(full / "val_metrics.jsonl")
+    weights = {}
+    for run in (full, resumed):
+        state = torch.load(run / "checkpoints" / "last.ckpt", map_location="cpu", weights_only=False)["state_dict"]
+        weights[run] = {k: v for k, v in state.items() if k.startswith("model.")}
+    assert weights[full].keys() == weights[resumed].keys()
+    for key, value in weights[full].items():
+        torch.testing.assert_close(weights[resumed][key], value, rtol=0, atol=0, msg=key)
+
+
+def test_a_partial_checkpoint_is_ignored_on_resume(tmp_path):
+    """A save killed mid-write leaves `.last.ckpt.partial` (checkpoint_io.py), never a torn last.ckpt: a relaunch
+    resumes from the last complete checkpoint, warns about the leftover, and its next save replaces it."""
+    common = ["logger.log_every=1", "trainer.val_check_interval=1000", "data.token_budget=1024"]
+    run_script("train.py", f"output_dir={tmp_path}", "num_train_steps=6", *common)
+    checkpoints = tmp_path / "checkpoints"
+    good = (checkpoints / "last.ckpt").read_bytes()
+    partial = checkpoints / ".last.ckpt.partial"
+    partial.write_bytes(good[: len(good) // 2])  # what a kill during the next save leaves
+    result = run_script("train.py", f"output_dir={tmp_path}", "num_train_steps=8", *common)
+    output = result.stdout + result.stderr
+    assert "Ignoring" in output and ".last.ckpt.partial" in output and "Resuming from" in output
+    assert [m["step"] for m in read_jsonl(tmp_path / "metrics.jsonl")] == list(range(1, 9))
+    assert not partial.exists()  # the save of step 8 wrote the same name through it and renamed it
+    assert torch.load(checkpoints / "last.ckpt", weights_only=False)["global_step"] == 8
+
+
+def test_lightning_gives_the_losses_of_a_plain_pytorch_loop(tmp_path):
+    """benchmark_bare_loop.py trains the same model on the same batches without Lightning: every logged loss and
+    gradient norm agree, so the Lightning layer (strategy, hooks, clipping, schedule) adds no arithmetic of its own."""
+    common = ["num_train_steps=20", "logger.log_every=2", "data.val_fraction=0", "data.val_path=null"]
+    run_script("train.py", f"output_dir={tmp_path / 'lightning'}", *common)
+    run_script("benchmark_bare_loop.py", f"output_dir={tmp_path / 'bare'}", *common)
+    lightning, bare = (
+        read_jsonl(tmp_path / "lightning" / "metrics.jsonl"),
+        read_jsonl(tmp_path / "bare" / "metrics.jsonl"),
+    )
+    assert [m["step"] for m in lightning] == [m["step"] for m in bare] == list(range(2, 21, 2))
+    for ours, plain in zip(lightning, bare):
+        assert ours["loss"] == pytest.approx(plain["loss"], rel=1e-6), ours["step"]
+        assert ours["grad_norm"] == pytest.approx(plain["grad_norm"], rel=1e-5), ours["step"]
+        assert ours["lr"] == plain["lr"]
+    assert lightning[-1]["loss"] < lightning[0]["loss"] - 0.2
