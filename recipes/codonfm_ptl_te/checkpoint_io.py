@@ -11,10 +11,15 @@ flushes it to the disk, and only then renames it over the final name. A rename w
 
 Every strategy writes one whole file from rank 0 through this plugin: DDP, FSDP (``state_dict_type="full"``) and FSDP2
 (``ModelParallelStrategy(save_distributed_checkpoint=False)``; its sharded directories would bypass the plugin).
+Checkpoints hold weights, not TE's ``_extra_state`` (FP8 scaling bookkeeping, rebuilt by a resumed run);
+:func:`extra_state_kept_when_absent` lets an FSDP2 resume load such a checkpoint into TE modules.
 """
 
+import contextlib
+import io
 import logging
 import os
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -66,6 +71,34 @@ def _fsync_directory(directory: Path) -> None:
         pass
     finally:
         os.close(descriptor)
+
+
+@contextlib.contextmanager
+def extra_state_kept_when_absent(module: torch.nn.Module) -> Iterator[None]:
+    """While loading a checkpoint without ``_extra_state`` into an FSDP2 model, every sub-module keeps its own.
+
+    ``torch.distributed.checkpoint``'s ``set_model_state_dict`` (what Lightning's ``ModelParallelStrategy`` loads a
+    whole-file checkpoint through) fills each key the checkpoint lacks with a placeholder object and passes it on to
+    ``load_state_dict``. TE modules reject anything but the formats they write ("RuntimeError: Unsupported checkpoint
+    format"). Inside this block a ``set_extra_state`` ignores any value that is not a tensor, ``io.BytesIO`` or None:
+    the module keeps its state, as in a non-strict load of a missing key.
+    """
+    patched = []
+    for sub in module.modules():
+        if type(sub).set_extra_state is torch.nn.Module.set_extra_state:
+            continue  # no extra state: torch never calls it
+
+        def set_extra_state(state, original=sub.set_extra_state) -> None:
+            if state is None or isinstance(state, torch.Tensor | io.BytesIO):
+                original(state)
+
+        sub.set_extra_state = set_extra_state  # an instance attribute, removed again below
+        patched.append(sub)
+    try:
+        yield
+    finally:
+        for sub in patched:
+            del sub.set_extra_state
 
 
 def resume_checkpoint(ckpt_dir: str | os.PathLike, resume: bool) -> str | None:

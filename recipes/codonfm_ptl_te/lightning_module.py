@@ -115,9 +115,8 @@ class EncodonModule(L.LightningModule):
     def on_save_checkpoint(self, checkpoint: dict) -> None:
         # The model's shape travels with its weights: fine-tuning and predict.py rebuild it from the checkpoint alone.
         checkpoint["model_config"] = self.model_config.to_dict()
-        # TE's `_extra_state` is FP8 scaling bookkeeping, not weights, and FSDP2's full-state load hands it back in a
-        # form TE rejects ("Unsupported checkpoint format"): checkpoints hold weights only, as exports do. (A resumed
-        # DelayedScaling run rebuilds its amax history.)
+        # TE's `_extra_state` is FP8 scaling bookkeeping, not weights: checkpoints hold weights only, as exports do. (A
+        # resumed DelayedScaling run rebuilds its amax history; FSDP2's load: checkpoint_io.extra_state_kept_when_absent.)
         checkpoint["state_dict"] = {
             k: v for k, v in checkpoint["state_dict"].items() if not k.endswith("_extra_state")
         }

@@ -25,7 +25,7 @@ from typing import Any
 import lightning as L
 import torch
 from callbacks import ExportCallback, PerfCallback, PerRankDataPosition
-from checkpoint_io import AtomicCheckpointIO, RecipeModelCheckpoint
+from checkpoint_io import AtomicCheckpointIO, RecipeModelCheckpoint, extra_state_kept_when_absent
 from lightning.fabric.plugins.environments import SLURMEnvironment
 from lightning.fabric.utilities.exceptions import MisconfigurationException
 from lightning.pytorch.strategies import DDPStrategy, FSDPStrategy, ModelParallelStrategy
@@ -77,6 +77,14 @@ def process_counts(trainer_cfg: DictConfig) -> tuple[Any, int]:
     return devices, int(num_nodes)
 
 
+class FSDP2Strategy(ModelParallelStrategy):
+    """Lightning's ``ModelParallelStrategy`` (here FSDP2 only), resuming TE models from weights-only checkpoints."""
+
+    def load_checkpoint(self, checkpoint_path, weights_only: bool | None = None) -> dict[str, Any]:
+        with extra_state_kept_when_absent(self.lightning_module):
+            return super().load_checkpoint(checkpoint_path, weights_only=weights_only)
+
+
 def build_strategy(cfg: DictConfig, accelerator: str, devices: Any, num_nodes: int):
     """The Lightning strategy named by ``cfg.strategy``."""
     name = cfg.strategy
@@ -103,7 +111,7 @@ def build_strategy(cfg: DictConfig, accelerator: str, devices: Any, num_nodes: i
         )
     if name == "fsdp2":
         total = devices * num_nodes if isinstance(devices, int) else None
-        return ModelParallelStrategy(
+        return FSDP2Strategy(
             data_parallel_size=total or "auto",  # every process one data-parallel rank: FSDP2 only, no TP
             tensor_parallel_size=1,
             save_distributed_checkpoint=False,  # full checkpoints, written atomically by rank 0 (checkpoint_io.py)

@@ -1,10 +1,22 @@
 """checkpoint_io.py: checkpoints reach their name only when complete, a killed save never costs the last good one, and
 ModelCheckpoint saves what the config asks for (every N steps, the newest k step files, the final step)."""
 
+import io
+
 import lightning as L
 import pytest
 import torch
-from checkpoint_io import AtomicCheckpointIO, RecipeModelCheckpoint, partial_path, resume_checkpoint
+import torch.distributed as dist
+from checkpoint_io import (
+    AtomicCheckpointIO,
+    RecipeModelCheckpoint,
+    extra_state_kept_when_absent,
+    partial_path,
+    resume_checkpoint,
+)
+from torch.distributed.checkpoint.state_dict import StateDictOptions, set_model_state_dict
+from torch.distributed.device_mesh import init_device_mesh
+from torch.distributed.fsdp import fully_shard
 
 
 class Unpicklable:
@@ -70,3 +82,48 @@ def fit(tmp_path, max_steps: int, **checkpoint_kwargs) -> list[str]:
 def test_model_checkpoint_saves_every_n_steps_and_the_final_step(tmp_path, kwargs, files, last_step):
     assert fit(tmp_path, 5, **kwargs) == files
     assert torch.load(tmp_path / "last.ckpt", weights_only=False)["global_step"] == last_step
+
+
+class TELikeLinear(torch.nn.Linear):
+    """A linear layer whose extra state behaves as TE's does: saved as a byte tensor, and anything but a tensor,
+    ``io.BytesIO`` or None refused on load (TE's "Unsupported checkpoint format")."""
+
+    def __init__(self):
+        super().__init__(4, 4)
+        self.fp8_bookkeeping = torch.tensor([7], dtype=torch.uint8)
+
+    def get_extra_state(self) -> torch.Tensor:
+        return self.fp8_bookkeeping
+
+    def set_extra_state(self, state) -> None:
+        if state is not None and not isinstance(state, torch.Tensor | io.BytesIO):
+            raise RuntimeError("Unsupported checkpoint format.")
+        self.fp8_bookkeeping = state
+
+
+def test_an_fsdp2_resume_loads_weights_only_checkpoints_into_te_modules(tmp_path):
+    """The load ModelParallelStrategy does (set_model_state_dict, whole state from rank 0, not strict) of a checkpoint
+    without `_extra_state` (as on_save_checkpoint writes them): torch hands TE modules a placeholder, which they
+    refuse; inside extra_state_kept_when_absent the weights load and each module keeps its own extra state."""
+    dist.init_process_group("gloo", init_method=f"file://{tmp_path / 'store'}", rank=0, world_size=1)
+    try:
+        torch.manual_seed(0)
+        saved = torch.nn.Sequential(TELikeLinear(), TELikeLinear())
+        weights_only = {k: v for k, v in saved.state_dict().items() if not k.endswith("_extra_state")}
+        model = torch.nn.Sequential(TELikeLinear(), TELikeLinear())
+        model[0].fp8_bookkeeping = torch.tensor([3], dtype=torch.uint8)  # this run's own, to be kept
+        fully_shard(model, mesh=init_device_mesh("cpu", (1,)))
+        options = StateDictOptions(full_state_dict=True, broadcast_from_rank0=True, strict=False)
+
+        # torch 2.13's behaviour this works around (if it stops raising, the workaround can go).
+        with pytest.raises(RuntimeError, match="Unsupported checkpoint format"):
+            set_model_state_dict(model, dict(weights_only), options=options)
+
+        with extra_state_kept_when_absent(model):
+            set_model_state_dict(model, dict(weights_only), options=options)
+        for key, value in weights_only.items():
+            torch.testing.assert_close(model.state_dict()[key].full_tensor(), value, rtol=0, atol=0, msg=key)
+        assert model[0].fp8_bookkeeping.tolist() == [3] and model[1].fp8_bookkeeping.tolist() == [7]
+        assert "set_extra_state" not in vars(model[0])  # the modules are as before outside the block
+    finally:
+        dist.destroy_process_group()

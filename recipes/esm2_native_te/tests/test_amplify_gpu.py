@@ -67,12 +67,7 @@ def test_megatron_fsdp_learns_and_exports(tmp_path):
 @pytest.mark.requires_te
 def test_context_parallel_learns_and_exports(tmp_path):
     """L0_sanity_cp's split (2 ranks per sequence, ring attention) with the AMPLIFY model."""
-    overrides = [
-        "--config-name",
-        "L0_sanity_cp",
-        "model_tag=model_configs/AMPLIFY_120M",
-        *L0_AMPLIFY_SHAPE,
-    ]
+    overrides = ["model_tag=model_configs/AMPLIFY_120M", *L0_AMPLIFY_SHAPE]
     metrics = train_on_gpu("train_cp.py", tmp_path, *overrides, nproc=2, steps=STEPS, config_name="L0_sanity_cp")
     assert_learned(metrics)
     assert_export_reproduces_checkpoint(tmp_path, step=STEPS)
