@@ -17,6 +17,7 @@ from checkpoint import Checkpointer, export_final_model, gather_full_state_dict
 from dataset import create_dataloader
 from distributed import Meshes, cleanup_distributed, move_to_device, setup_distributed
 from grad_accumulation import count_targets, token_weights
+from grad_clipping import clip_sharded_grad_norm_
 from model_setup import build_model
 from omegaconf import DictConfig, OmegaConf
 from perf_logger import PerfLogger, Profiler, quiet_progress_bars_off_a_terminal
@@ -99,7 +100,8 @@ def main(cfg: DictConfig) -> None:
                     loss.backward()
                 step_loss += loss.detach()
 
-            grad_norm = torch.nn.utils.clip_grad_norm_(model.parameters(), cfg.max_grad_norm)
+            # Not torch's clip_grad_norm_: a rank holding no piece of a parameter has no .grad (grad_clipping.py).
+            grad_norm = clip_sharded_grad_norm_(model.parameters(), cfg.max_grad_norm)
             lr = scheduler.get_last_lr()[0]
             optimizer.step()
             scheduler.step()

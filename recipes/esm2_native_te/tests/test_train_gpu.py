@@ -127,6 +127,10 @@ def test_context_parallel_learns_and_exports(tmp_path):
 
 
 @pytest.mark.requires_multi_gpu
-@pytest.mark.parametrize("script", ["train_ddp.py", "train_fsdp2.py"])
+@pytest.mark.parametrize("script", ["train_ddp.py", "train_fsdp2.py", "train_mfsdp.py"])
 def test_two_gpus_learn(tmp_path, script):
+    if script == "train_mfsdp.py" and importlib.util.find_spec("megatron_fsdp") is None:
+        pytest.skip("megatron-fsdp is not installed")
     assert_learned(train_on_gpu(script, tmp_path, "dataset.input_format=thd", nproc=2))
+    if script == "train_mfsdp.py":  # the sharded checkpoint and the gathered export, written by two ranks
+        assert_export_reproduces_checkpoint(tmp_path, step=100)

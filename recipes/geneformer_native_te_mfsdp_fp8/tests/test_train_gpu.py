@@ -95,3 +95,5 @@ def test_two_gpus_learn(tmp_path, script):
     if script == "train_mfsdp.py" and importlib.util.find_spec("megatron_fsdp") is None:
         pytest.skip("megatron-fsdp is not installed")
     assert_learned(train_on_gpu(script, tmp_path, "dataset.input_format=thd", nproc=2))
+    if script == "train_mfsdp.py":  # the sharded checkpoint and the gathered export, written by two ranks
+        assert_export_reproduces_checkpoint(tmp_path, step=100)
