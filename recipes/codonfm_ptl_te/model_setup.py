@@ -29,7 +29,7 @@ from modeling_codonfm_te import (
 )
 from omegaconf import DictConfig, OmegaConf
 from perf_logger import ModelFlops
-from quantization import QuantizationPlan, build_quantization
+from quantization import QuantizationPlan, build_quantization, check_quantized_gemm_shapes
 from recipe_paths import model_directory, recipe_path
 from safetensors.torch import load_file
 from torch.distributed.checkpoint.state_dict import StateDictOptions, set_model_state_dict
@@ -92,13 +92,7 @@ def load_model_config(cfg: DictConfig) -> tuple[NVEncodonConfig, QuantizationPla
 
     fp8_config = OmegaConf.to_container(cfg.fp8_config, resolve=True)
     if fp8_config["enabled"]:
-        bad = [
-            f"{k} {v}"
-            for k, v in (("hidden_size", config.hidden_size), ("intermediate_size", config.intermediate_size))
-            if v % 16
-        ]
-        if bad:  # TE asserts this deep in the first forward otherwise
-            raise ConfigError(f"FP8 layers need multiples of 16, got {', '.join(bad)}: change the model shape")
+        check_quantized_gemm_shapes({"hidden_size": config.hidden_size, "intermediate_size": config.intermediate_size})
     try:
         plan = build_quantization(fp8_config, NO_FP4, config.num_hidden_layers)
     except MissingPackageError:

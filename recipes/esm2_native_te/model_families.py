@@ -23,7 +23,7 @@ from convert_amplify import convert_amplify_hf_to_te, load_published_checkpoint,
 from modeling_amplify_te import NVAmplifyConfig, NVAmplifyForMaskedLM
 from modeling_esm_te import NVEsmConfig, NVEsmForMaskedLM
 from omegaconf import DictConfig, OmegaConf
-from quantization import QuantizationPlan, build_quantization
+from quantization import QuantizationPlan, build_quantization, check_quantized_gemm_shapes
 from recipe_paths import looks_like_hub_id, model_directory, recipe_path, tokenizer_source
 from transformers import AutoTokenizer, EsmConfig, EsmForMaskedLM, PretrainedConfig, PreTrainedTokenizerBase
 from user_errors import ConfigError, PathNotFoundError
@@ -203,8 +203,14 @@ def load_model_config(cfg: DictConfig, fp8_config, fp4_config) -> tuple[Pretrain
             f"model_config_overrides has keys {unknown} that {source}/config.json does not have; check their spelling"
         )
     config = family.load_config(source, **overrides)
-    if fp8_config["enabled"] or fp4_config["enabled"]:
-        check_quantized_gemm_shapes(config)  # a shape problem first: it holds on every machine
+    if fp8_config["enabled"] or fp4_config["enabled"]:  # a shape problem first: it holds on every machine
+        # AMPLIFY's FFN width is intermediate_size * 2/3 rounded up to a multiple of 8, so a shape that looks round
+        # can still miss: 1280 gives 856.
+        ffn_width = getattr(config, "ffn_hidden_size", config.intermediate_size)
+        check_quantized_gemm_shapes(
+            {"hidden_size": config.hidden_size, "FFN width": ffn_width},
+            f" (intermediate_size {config.intermediate_size})",
+        )
     plan = build_quantization(fp8_config, fp4_config, config.num_hidden_layers)
     config.layer_precision = plan.layer_precision
     try:
@@ -212,20 +218,6 @@ def load_model_config(cfg: DictConfig, fp8_config, fp4_config) -> tuple[Pretrain
     except ValueError as error:
         raise ConfigError(f"{error}: change model_config_overrides") from None
     return config, plan
-
-
-def check_quantized_gemm_shapes(config: PretrainedConfig) -> None:
-    """FP8/FP4 GEMMs need the hidden size and the FFN width to be multiples of 16 (TE asserts it on the first forward,
-    deep in a traceback). AMPLIFY's FFN width is intermediate_size * 2/3 rounded up to a multiple of 8, so a shape
-    that looks round can still miss: 1280 gives 856."""
-    ffn_width = getattr(config, "ffn_hidden_size", config.intermediate_size)  # AMPLIFY: SwiGLU width
-    dims = {"hidden_size": config.hidden_size, "FFN width": ffn_width}
-    bad = [f"{name} {value}" for name, value in dims.items() if value % 16]
-    if bad:
-        raise ConfigError(
-            f"FP8/FP4 layers need the hidden size and FFN width to be multiples of 16, got {', '.join(bad)} "
-            f"(intermediate_size {config.intermediate_size}): change model_config_overrides or turn fp8/fp4 off"
-        )
 
 
 def load_pretrained_state_dict(cfg: DictConfig) -> dict[str, torch.Tensor] | None:

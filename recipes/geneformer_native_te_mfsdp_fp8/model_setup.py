@@ -31,7 +31,12 @@ from mixed_precision import computes_in_bf16, keeps_fp32_master_weights, mixed_p
 from modeling_geneformer_te import NVGeneformerConfig, NVGeneformerForMaskedLM, resolve_backend
 from omegaconf import DictConfig, OmegaConf
 from perf_logger import ModelFlops
-from quantization import QuantizationPlan, build_quantization, check_quantization_supported
+from quantization import (
+    QuantizationPlan,
+    build_quantization,
+    check_quantization_supported,
+    check_quantized_gemm_shapes,
+)
 from recipe_paths import looks_like_hub_id, model_directory, recipe_path, tokenizer_source
 from torch.distributed.checkpoint.state_dict import StateDictOptions, set_model_state_dict
 from torch.distributed.fsdp import fully_shard
@@ -101,13 +106,7 @@ def load_model_config(cfg: DictConfig) -> tuple[NVGeneformerConfig, Quantization
         raise ConfigError(f"{error}: change model_config_overrides") from None
     fp8_config, fp4_config = OmegaConf.to_container(cfg.fp8_config), OmegaConf.to_container(cfg.fp4_config)
     if fp8_config["enabled"] or fp4_config["enabled"]:
-        bad = [
-            f"{k} {v}"
-            for k, v in (("hidden_size", config.hidden_size), ("intermediate_size", config.intermediate_size))
-            if v % 16
-        ]
-        if bad:  # TE asserts this deep in the first forward otherwise
-            raise ConfigError(f"FP8/FP4 layers need multiples of 16, got {', '.join(bad)}: change the model shape")
+        check_quantized_gemm_shapes({"hidden_size": config.hidden_size, "intermediate_size": config.intermediate_size})
     plan = build_quantization(fp8_config, fp4_config, config.num_hidden_layers)
     config.layer_precision = plan.layer_precision
     return config, plan

@@ -154,6 +154,18 @@ def _fp8_layers(fp8_config: Mapping[str, Any], num_layers: int) -> Sequence[int]
     return fp8_layers_keeping_first_last_bf16(num_layers, keep)
 
 
+def check_quantized_gemm_shapes(dims: Mapping[str, int], note: str = "") -> None:
+    """FP8/FP4 GEMMs need every width they multiply along (hidden size, FFN width) to be a multiple of 16; TE
+    otherwise asserts it on the first forward, deep in a traceback. ``dims``: name -> width; ``note`` follows the
+    widths in the message (how a width was derived)."""
+    bad = [f"{name} {value}" for name, value in dims.items() if value % 16]
+    if bad:
+        raise ConfigError(
+            f"FP8/FP4 layers need {' and '.join(dims)} to be multiples of 16, got {', '.join(bad)}{note}: change "
+            "model_config_overrides or turn fp8/fp4 off"
+        )
+
+
 def build_quantization(fp8_config: Mapping[str, Any], fp4_config: Mapping[str, Any], num_layers: int):
     """The :class:`QuantizationPlan` for a model with ``num_layers`` transformer layers."""
     fp8_enabled, fp4_enabled = bool(fp8_config["enabled"]), bool(fp4_config["enabled"])

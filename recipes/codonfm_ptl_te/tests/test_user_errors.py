@@ -31,6 +31,10 @@ def run_in_process(script: str, args: list[str], monkeypatch, capsys) -> str:
         (["model_tag=/no/such/model"], "model_tag=/no/such/model: no such directory"),
         (["+model_config_overrides.hidden_sise=64"], "model_config_overrides has keys ['hidden_sise']"),
         (["fp8_config.enabled=true"], "fp8_config.enabled=false"),  # no TE here, or TE but no GPU: both say so
+        (  # a shape FP8 GEMMs cannot take fails first, on every machine
+            ["fp8_config.enabled=true", "++model_config_overrides.intermediate_size=100"],
+            "multiples of 16, got intermediate_size 100",
+        ),
         (["strategy=fsdp"], "strategy=fsdp (Lightning's FSDPStrategy) needs CUDA GPUs"),
         (["strategy=zero3"], "strategy=zero3: choose one of ddp, fsdp, fsdp2"),
         (["trainer.precision=16-mixed"], "trainer.precision=16-mixed: choose one of bf16-mixed, 32-true"),

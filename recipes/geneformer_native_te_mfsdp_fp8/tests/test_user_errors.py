@@ -79,6 +79,14 @@ def test_fp8_on_a_machine_without_it(tmp_path):
     assert_user_error(result, "fp8_config.enabled=false")
 
 
+def test_fp8_with_a_shape_its_gemms_cannot_take(tmp_path):
+    """Checked before the hardware, so it fails the same on every machine."""
+    result = fail(
+        "train_ddp.py", tmp_path, "fp8_config.enabled=true", "++model_config_overrides.intermediate_size=100"
+    )
+    assert_user_error(result, "multiples of 16, got intermediate_size 100", "change model_config_overrides")
+
+
 def test_te_backend_on_a_machine_without_it(tmp_path):
     result = fail("train_ddp.py", tmp_path, "++model_config_overrides.backend=te", cpu_only=True)
     assert_user_error(
