@@ -83,8 +83,13 @@ def assert_export_reproduces_checkpoint(output_dir: Path, step: int) -> None:
     reference = checkpoint_weights(output_dir / "checkpoints" / f"step_{step}", config)
     tokenizer = AutoTokenizer.from_pretrained(export_dir)
     batch = tokenizer(sanity_cells(), return_tensors="pt", padding=True)
+    # The export holds the checkpoint's weights bit for bit; its logits then match to float32 rounding only, because
+    # CPU GEMMs may round differently for differently aligned buffers (the safetensors load is not 64-byte aligned).
+    for key, value in reference.state_dict().items():
+        if not key.endswith("_extra_state"):
+            torch.testing.assert_close(exported.state_dict()[key], value, rtol=0, atol=0, msg=key)
     with torch.no_grad():
-        torch.testing.assert_close(exported(**batch).logits, reference(**batch).logits, rtol=0, atol=0)
+        torch.testing.assert_close(exported(**batch).logits, reference(**batch).logits, rtol=1e-5, atol=1e-5)
 
 
 def assert_converged(metrics: list[dict], steps: int) -> None:

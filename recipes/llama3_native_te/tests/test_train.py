@@ -55,8 +55,13 @@ def test_ddp_one_process_learns_and_export_reloads(tmp_path):
     reference.load_state_dict(torch.load(tmp_path / "checkpoints/step_80/train_state.pt", weights_only=True)["model"])
     reference.eval()
     input_ids = torch.tensor([[1, *b"ACGTTGCAACGTAAGG"]])
+    # The export holds the checkpoint's weights bit for bit; its logits then match to float32 rounding only, because
+    # CPU GEMMs may round differently for differently aligned buffers (the safetensors load is not 64-byte aligned).
+    for key, value in reference.state_dict().items():
+        if not key.endswith("_extra_state"):
+            torch.testing.assert_close(exported.state_dict()[key], value, rtol=0, atol=0, msg=key)
     with torch.no_grad():
-        torch.testing.assert_close(exported(input_ids).logits, reference(input_ids).logits, rtol=0, atol=0)
+        torch.testing.assert_close(exported(input_ids).logits, reference(input_ids).logits, rtol=1e-5, atol=1e-5)
 
 
 @pytest.mark.parametrize("script", ["train_ddp.py", "train_fsdp2.py"])
