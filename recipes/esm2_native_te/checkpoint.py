@@ -40,6 +40,7 @@ from torch.distributed.checkpoint.state_dict import (
     get_state_dict,
     set_state_dict,
 )
+from torch.distributed.tensor import DTensor
 from user_errors import ConfigError
 
 
@@ -404,12 +405,16 @@ def gather_full_state_dict(model: torch.nn.Module, strategy: Strategy) -> dict[s
         return {k: v.detach().cpu() for k, v in _unwrap(model).state_dict().items()}
     if strategy == "fsdp2":
         return get_model_state_dict(model, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
-    # Megatron-FSDP: its parameters are DTensors; gathering each into a full tensor is a collective on all ranks.
+    # Megatron-FSDP: its parameters are DTensors holding uneven row ranges of its flat buffers. DTensor.full_tensor()
+    # assumes torch's even chunks (on 2 ranks its all-gather sizes disagree); Megatron-FSDP's own gather does not.
+    # A collective on all ranks.
+    from megatron_fsdp.uneven_dtensor import uneven_dtensor_to_full_tensor
+
     full = {}
     for key, value in model.state_dict().items():
         if key.endswith("_extra_state"):
             continue
-        value = value.full_tensor() if hasattr(value, "full_tensor") else value
+        value = uneven_dtensor_to_full_tensor(value) if isinstance(value, DTensor) else value
         full[key.removeprefix("module.")] = value.detach().cpu()
     return full
 
