@@ -1,0 +1,63 @@
+# Copied from common/grad_clipping.py — edit the source, then run ci/check_copies.py --fix
+"""Gradient-norm clipping for sharded models whose ranks may hold no part of some gradients (Megatron-FSDP).
+
+``torch.nn.utils.clip_grad_norm_`` reduces the norm of each DTensor gradient with collectives of its own. Megatron-FSDP
+shards flat buffers, so a small parameter can lie wholly on one rank; on the others its ``.grad`` is None. The ranks
+then issue different numbers of collectives and the job hangs (seen on 2 GPUs in the first step). Here the reductions
+follow the *parameters*, which every rank has: each rank adds up the squares of the gradient elements it holds (none:
+zero), one all-reduce per sharded mesh dimension makes the sum global, and every rank scales its own pieces.
+"""
+
+from collections.abc import Iterable
+
+import torch
+import torch.distributed as dist
+from torch.distributed.tensor import DTensor
+
+
+def clip_sharded_grad_norm_(parameters: Iterable[torch.Tensor], max_norm: float | None) -> torch.Tensor:
+    """Scale the gradients in place so that their global L2 norm is at most ``max_norm`` (None: only measure it);
+    return the norm before clipping, a float32 scalar equal on every rank.
+
+    Gradients may be plain tensors (replicated: counted once) or DTensors sharded over some mesh dimensions (their
+    local pieces are summed over those dimensions). Call it on every rank with the same parameters.
+    """
+    parameters = list(parameters)
+    if not parameters:
+        raise ValueError("clip_sharded_grad_norm_ got no parameters")
+    pieces_by_reduction: dict[tuple, list[torch.Tensor]] = {}  # in parameter order, so the same keys on every rank
+    for param in parameters:
+        pieces = pieces_by_reduction.setdefault(_reduction(param), [])
+        if param.grad is not None:
+            pieces.append(param.grad.to_local() if isinstance(param.grad, DTensor) else param.grad)
+
+    device = _local(parameters[0]).device
+    squares = torch.zeros((), dtype=torch.float32, device=device)
+    for (mesh, sharded_dims), pieces in pieces_by_reduction.items():
+        part = torch.zeros((), dtype=torch.float32, device=device)
+        if pieces:
+            part += torch.stack([n.float() for n in torch._foreach_norm(pieces)]).square().sum()
+        for dim in sharded_dims:
+            dist.all_reduce(part, group=mesh.get_group(dim))
+        squares += part
+    norm = squares.sqrt()
+
+    if max_norm is not None:
+        scale = torch.clamp(max_norm / (norm + 1e-6), max=1.0)  # as torch's clip_grad_norm_
+        all_pieces = [piece for pieces in pieces_by_reduction.values() for piece in pieces]
+        if all_pieces:
+            torch._foreach_mul_(all_pieces, scale)
+    return norm
+
+
+def _reduction(param: torch.Tensor) -> tuple:
+    """(mesh, the mesh dimensions it is sharded over) for a DTensor; (None, ()) for a plain, replicated tensor."""
+    if not isinstance(param, DTensor):
+        return None, ()
+    if any(placement.is_partial() for placement in param.placements):
+        raise ValueError(f"a parameter with placements {param.placements}: partial parameters are not supported")
+    return param.device_mesh, tuple(dim for dim, placement in enumerate(param.placements) if placement.is_shard())
+
+
+def _local(tensor: torch.Tensor) -> torch.Tensor:
+    return tensor.to_local() if isinstance(tensor, DTensor) else tensor

@@ -1,0 +1,367 @@
+"""Building the ViT, the one way every entrypoint does it: config (with the data's classes), precision plan,
+construction, pretrained weights, sharding, init.
+
+``model_tag`` is a directory (or Hugging Face Hub id) holding a ``config.json``: one of this recipe's
+``model_configs/`` (ViT-Tiny/Small/Base at 224 pixels, the 32-pixel ``vit-l0-tiny``) to train from scratch, an export
+of this recipe, or a stock Hugging Face ``ViTForImageClassification`` checkpoint (converted on load). With
+``init_from_pretrained: true`` its weights are loaded too: fine-tuning. The classifier always has one output per class
+of the data; a pretrained classifier of another size is replaced by a new one (initialised from ``seed``), and the
+log says so.
+
+``build_model(cfg, device, meshes, strategy, class_names)`` returns a :class:`BuiltModel`. Strategies:
+
+- ``"ddp"``: the whole model on every rank, wrapped in ``DistributedDataParallel`` when a process group exists;
+- ``"fsdp2"``: each transformer layer, then the root (embeddings, final norm, classifier), sharded over
+  ``meshes.fsdp`` with ``fully_shard`` and the one mixed-precision policy; built on the meta device when
+  ``fsdp.use_meta_device``, so each rank materialises only its own shards;
+- ``"mfsdp"``: Megatron-FSDP (CUDA only) over the mesh of ``mfsdp_mesh`` (``dp_replicate`` x ``dp_shard`` x ``tp``).
+  It shards the model and its optimizer together, so for this strategy the optimizer is built here too.
+"""
+
+import contextlib
+import logging
+from dataclasses import dataclass
+
+import torch
+import torch.distributed as dist
+from convert import convert_vit_hf_to_te, nv_config_from_hf
+from distributed import Meshes
+from mixed_precision import computes_in_bf16, keeps_fp32_master_weights, mixed_precision_policy
+from modeling_vit_te import NVViTConfig, NVViTForImageClassification, resolve_backend
+from omegaconf import DictConfig, OmegaConf
+from perf_logger import ModelFlops
+from quantization import (
+    QuantizationPlan,
+    build_quantization,
+    check_quantization_supported,
+    check_quantized_gemm_shapes,
+)
+from recipe_paths import looks_like_hub_id, model_directory, recipe_path
+from torch.distributed.checkpoint.state_dict import StateDictOptions, set_model_state_dict
+from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
+from torch.distributed.fsdp import fully_shard
+from torch.distributed.tensor import DTensor
+from torch.nn.parallel import DistributedDataParallel
+from transformers import PretrainedConfig, ViTConfig, ViTForImageClassification, ViTImageProcessor
+from user_errors import ConfigError, UnsupportedHardwareError
+from weight_conversion import load_state_dict_exactly
+
+
+logger = logging.getLogger(__name__)
+
+STRATEGIES = ("ddp", "fsdp2", "mfsdp")
+CLASSIFIER_KEYS = ("classifier.weight", "classifier.bias")
+PRETRAINED_MISMATCH = (
+    "the model_tag weights do not fit this model: drop the model_config_overrides that change its shape"
+)
+
+
+# ----------------------------------------------------------------------------------------- config and weights
+
+
+def model_source(cfg: DictConfig) -> str:
+    """``model_tag`` as a local directory when one exists (recipe-relative paths included), else as a Hub id."""
+    if recipe_path(cfg.model_tag).exists() or not looks_like_hub_id(str(cfg.model_tag)):
+        return str(model_directory(cfg.model_tag, weights=cfg.init_from_pretrained))
+    return str(cfg.model_tag)
+
+
+def is_stock_vit(source: str) -> bool:
+    """True for a stock ``ViTForImageClassification``, False for this project's config or export."""
+    config = PretrainedConfig.get_config_dict(source)[0]
+    if any(name.startswith("NVViT") for name in config.get("architectures") or []):
+        return False
+    if config.get("model_type") == "vit":
+        return True
+    raise ConfigError(
+        f"model_tag {source} holds a {config.get('model_type')!r} model, not a ViT: point it at one of this recipe's "
+        "model_configs/, an export of this recipe, or a Hugging Face ViTForImageClassification checkpoint"
+    )
+
+
+def read_model_config(source: str, **overrides) -> NVViTConfig:
+    """The NV config of ``source`` with ``overrides`` applied and checked."""
+    if is_stock_vit(source):
+        config = nv_config_from_hf(ViTConfig.from_pretrained(source), **overrides)
+    else:
+        config = NVViTConfig.from_pretrained(source, **overrides)
+    config.validate_nv_vit()
+    return config
+
+
+def load_model_config(cfg: DictConfig, class_names: list[str]) -> tuple[NVViTConfig, QuantizationPlan]:
+    """config.json from ``model_tag``, this run's overrides, one output per class of the data, and the per-layer
+    FP8/FP4 plan the model needs."""
+    source = model_source(cfg)
+    overrides = OmegaConf.to_container(cfg.model_config_overrides)
+    unknown = sorted(set(overrides) - set(read_model_config(source).to_dict()))
+    if unknown:
+        raise ConfigError(
+            f"model_config_overrides has keys {unknown} that {source}/config.json does not have; check their spelling"
+        )
+    labels = {
+        "num_labels": len(class_names),
+        "id2label": dict(enumerate(class_names)),
+        "label2id": {name: index for index, name in enumerate(class_names)},
+    }
+    try:
+        config = read_model_config(source, **overrides, **labels)
+    except ValueError as error:  # NVViTConfig names every setting it cannot honour
+        raise ConfigError(f"{error}: change model_config_overrides") from None
+    fp8_config, fp4_config = OmegaConf.to_container(cfg.fp8_config), OmegaConf.to_container(cfg.fp4_config)
+    if fp8_config["enabled"] or fp4_config["enabled"]:
+        check_quantized_gemm_shapes({"hidden_size": config.hidden_size, "intermediate_size": config.intermediate_size})
+    plan = build_quantization(fp8_config, fp4_config, config.num_hidden_layers)
+    config.layer_precision = plan.layer_precision
+    return config, plan
+
+
+def model_image_size(cfg: DictConfig) -> int:
+    """The side, in pixels, of the images the model of ``cfg`` takes (its config.json and overrides): the data
+    pipeline resizes to it, before the model (whose classifier needs the data's classes) is built."""
+    overrides = OmegaConf.to_container(cfg.model_config_overrides)
+    image_size = overrides.get("image_size", read_model_config(model_source(cfg)).image_size)
+    if isinstance(image_size, list | tuple):
+        if image_size[0] != image_size[1]:
+            raise ConfigError(f"image_size {image_size}: this recipe trains on square images; give one number")
+        image_size = image_size[0]
+    return int(image_size)
+
+
+def tokens_per_image(config: NVViTConfig) -> int:
+    """Patches plus the class token: the sequence length every image of this model has."""
+    height, width = config.image_size if isinstance(config.image_size, list | tuple) else (config.image_size,) * 2
+    return (height // config.patch_size) * (width // config.patch_size) + 1
+
+
+def image_processor(cfg: DictConfig, config: NVViTConfig) -> ViTImageProcessor:
+    """What the export ships as ``preprocessor_config.json``: the model's image size and this run's normalisation."""
+    return ViTImageProcessor(
+        do_resize=True,
+        size={"height": config.image_size, "width": config.image_size},
+        do_rescale=True,
+        do_normalize=True,
+        image_mean=list(cfg.dataset.mean),
+        image_std=list(cfg.dataset.std),
+    )
+
+
+def load_pretrained_state_dict(cfg: DictConfig, config: NVViTConfig) -> dict[str, torch.Tensor] | None:
+    """Full (CPU, float32) weights from ``model_tag`` when ``init_from_pretrained`` is set, else None. A classifier for
+    another number of classes is left out: the model keeps its freshly initialised one."""
+    if not cfg.init_from_pretrained:
+        return None
+    source = model_source(cfg)
+    if is_stock_vit(source):
+        stock = ViTForImageClassification.from_pretrained(source, dtype=torch.float32)
+        model = convert_vit_hf_to_te(stock, backend="torch")
+    else:
+        model = NVViTForImageClassification.from_pretrained(source, backend="torch", dtype=torch.float32)
+    state = {k: v for k, v in model.state_dict().items() if not k.endswith("_extra_state")}
+    if state["classifier.weight"].shape[0] != config.num_labels:
+        logger.info(
+            "Fine-tuning from %s with a new classifier: %d classes in the data, %d in the checkpoint",
+            source,
+            config.num_labels,
+            state["classifier.weight"].shape[0],
+        )
+        for key in CLASSIFIER_KEYS:
+            del state[key]
+    else:
+        logger.info("Fine-tuning from the weights in %s", source)
+    return state
+
+
+def apply_pretrained_weights(model: torch.nn.Module, state: dict[str, torch.Tensor] | None) -> None:
+    """Copy ``state`` into ``model``, whole or FSDP2-sharded; every weight but a replaced classifier must be there."""
+    if state is None:
+        return
+    if not any(isinstance(p, DTensor) for p in model.parameters()):
+        if CLASSIFIER_KEYS[0] not in state:  # a new classifier keeps its init
+            state = {**state, **{key: model.state_dict()[key] for key in CLASSIFIER_KEYS}}
+        try:
+            load_state_dict_exactly(model, state, "the pretrained checkpoint")
+        except ValueError as error:
+            raise ConfigError(f"{error}; {PRETRAINED_MISMATCH}") from None
+        return
+    result = set_model_state_dict(model, state, options=StateDictOptions(full_state_dict=True, strict=False))
+    missing = [k for k in result.missing_keys if not k.endswith("_extra_state") and k not in CLASSIFIER_KEYS]
+    if missing or result.unexpected_keys:
+        raise ConfigError(
+            f"cannot load the pretrained checkpoint: missing keys {missing[:5]}, "
+            f"unexpected {result.unexpected_keys[:5]}; {PRETRAINED_MISMATCH}"
+        )
+
+
+def model_flops(model: NVViTForImageClassification, config: NVViTConfig) -> ModelFlops:
+    """FLOPs per token of the matrix multiplies: every parameter but the class token, position embeddings and the
+    classifier (which runs once per image, not per token: a negligible share)."""
+    skipped = {"vit.embeddings.cls_token", "vit.embeddings.position_embeddings", *CLASSIFIER_KEYS}
+    per_token = sum(p.numel() for name, p in model.named_parameters() if name not in skipped)
+    return ModelFlops(per_token, config.num_hidden_layers, config.hidden_size)
+
+
+# ------------------------------------------------------------------------------------------------ the model
+
+
+@dataclass
+class BuiltModel:
+    """What the entrypoints use of the model."""
+
+    # Parameters for the optimizer, checkpoints and export: the bare model (DDP), sharded in place (FSDP2), or
+    # Megatron-FSDP's wrapper (its ``.module`` is the model).
+    model: torch.nn.Module
+    train_model: torch.nn.Module  # what the loop calls: the DDP wrapper and/or torch.compile of ``model``
+    config: NVViTConfig
+    plan: QuantizationPlan
+    model_flops: ModelFlops
+    strategy: str
+    ddp: DistributedDataParallel | None = None
+    optimizer: torch.optim.Optimizer | None = None  # "mfsdp" only: sharded together with the model
+
+    @property
+    def tokens_per_image(self) -> int:
+        return tokens_per_image(self.config)
+
+    def token_counts(self, images: int) -> tuple[int, int]:
+        """(tokens, sum of squared sequence lengths) of ``images`` images, for the perf logger's FLOPs."""
+        tokens = self.tokens_per_image
+        return images * tokens, images * tokens * tokens
+
+    def gradient_sync(self, enabled: bool) -> contextlib.AbstractContextManager:
+        """Reduce gradients in this backward (``enabled``) or only accumulate them locally (earlier micro-batches)."""
+        if self.strategy == "fsdp2":
+            self.model.set_requires_gradient_sync(enabled)
+            return contextlib.nullcontext()
+        if enabled:
+            return contextlib.nullcontext()
+        if self.strategy == "mfsdp":
+            return self.model.no_sync()
+        return self.ddp.no_sync() if self.ddp is not None else contextlib.nullcontext()
+
+
+def build_model(
+    cfg: DictConfig, device: torch.device, meshes: Meshes | None, strategy: str, class_names: list[str]
+) -> BuiltModel:
+    """The model of this run, built, placed (and sharded) for ``strategy``: initialised from ``cfg.seed``'s RNG, or
+    with ``init_from_pretrained`` from the weights in ``model_tag``. ``meshes`` may be None for ``"ddp"``."""
+    if strategy not in STRATEGIES:
+        raise ValueError(f"strategy must be one of {STRATEGIES}, got {strategy!r}")
+    config, plan = load_model_config(cfg, class_names)
+    check_quantization_supported(plan, device)  # FP8/FP4 on a machine that cannot run it fails here
+    try:
+        resolve_backend(config.backend)  # backend=te on a machine without TE or a GPU fails here, in one line
+    except RuntimeError as error:
+        raise UnsupportedHardwareError(f"{error} (+model_config_overrides.backend=torch)") from None
+    pretrained = load_pretrained_state_dict(cfg, config)
+    if strategy == "mfsdp":
+        return _build_megatron_fsdp(cfg, device, meshes, config, plan, pretrained)
+
+    on_meta = strategy == "fsdp2" and cfg.fsdp.use_meta_device
+    with torch.device("meta" if on_meta else device):
+        model = NVViTForImageClassification(config, fp8_recipe=plan.fp8_recipe, fp4_recipe=plan.fp4_recipe)
+    if strategy == "ddp":
+        apply_pretrained_weights(model, pretrained)
+    if computes_in_bf16(cfg.mixed_precision, device) and not keeps_fp32_master_weights(cfg.mixed_precision, device):
+        model.to(torch.bfloat16)  # bf16 weights and optimizer state: less memory, no fp32 master copy
+    flops = model_flops(model, config)
+    _log_model(model)
+
+    ddp = None
+    if strategy == "fsdp2":
+        policy = mixed_precision_policy(cfg.mixed_precision, device)
+        reshard = cfg.fsdp.reshard_after_forward
+        for layer in model.vit.encoder.layers:
+            fully_shard(layer, mesh=meshes.fsdp, mp_policy=policy, reshard_after_forward=reshard)
+        fully_shard(model, mesh=meshes.fsdp, mp_policy=policy, reshard_after_forward=reshard)
+        if on_meta:
+            model.init_empty_weights(device)
+        apply_pretrained_weights(model, pretrained)  # fine-tuning: every rank loads its own shards
+        train_model = model
+    else:
+        # The same random init on every rank (same seed), and DDP broadcasts rank 0's weights anyway.
+        if dist.is_initialized():
+            device_ids = [device.index] if device.type == "cuda" else None
+            ddp = DistributedDataParallel(model, device_ids=device_ids, broadcast_buffers=False)
+        train_model = ddp or model
+    if cfg.use_torch_compile:
+        train_model = torch.compile(train_model)
+    return BuiltModel(model, train_model, config, plan, flops, strategy, ddp)
+
+
+# ------------------------------------------------------------------------------------------------ Megatron-FSDP
+
+
+def mfsdp_mesh(cfg: DictConfig, world_size: int) -> DeviceMesh:
+    """The ``("dp_replicate", "dp_shard", "tp")`` mesh of ``cfg.mfsdp``: ``dp_replicate`` full replicas (HSDP), each
+    sharded over ``dp_shard`` GPUs; ``tp`` is tensor parallelism (only 1 for now)."""
+    replicate, tp = int(cfg.mfsdp.dp_replicate), int(cfg.mfsdp.tp)
+    if tp != 1:
+        raise ConfigError(
+            f"mfsdp.tp={tp}: tensor parallelism is not implemented in this recipe yet; use mfsdp.tp=1 (FSDP and HSDP)"
+        )
+    if replicate < 1 or world_size % (replicate * tp):
+        raise ConfigError(
+            f"mfsdp.dp_replicate={replicate} x mfsdp.tp={tp} must divide the number of processes ({world_size}); "
+            "launch a multiple of their product (torchrun --nproc_per_node=...)"
+        )
+    shape = (replicate, world_size // (replicate * tp), tp)
+    mesh = init_device_mesh("cuda", shape, mesh_dim_names=("dp_replicate", "dp_shard", "tp"))
+    # Megatron-FSDP reduces over replicas and shards together through this flattened group; the data-parallel rank
+    # (which share of the data a GPU reads) is a GPU's place in it.
+    mesh[("dp_replicate", "dp_shard")]._flatten("dp")
+    return mesh
+
+
+def _build_megatron_fsdp(cfg, device, meshes, config, plan, pretrained) -> BuiltModel:
+    """Megatron-FSDP: the model built whole on this GPU, then sharded together with its optimizer.
+
+    Megatron-FSDP's meta-device path would initialise weights with each module's reset_parameters(), not the model's
+    own initialisation, so it is not used. Its fp32 main weights live in its own sharded buffers, so the model itself
+    is cast to bf16 whenever bf16 compute is on.
+    """
+    import megatron_fsdp
+
+    with torch.device(device):
+        model = NVViTForImageClassification(config, fp8_recipe=plan.fp8_recipe, fp4_recipe=plan.fp4_recipe)
+    apply_pretrained_weights(model, pretrained)
+    if cfg.mixed_precision.enabled:
+        model.to(torch.bfloat16)  # compute weights; fp32 main weights live in Megatron-FSDP's buffers
+    flops = model_flops(model, config)
+    _log_model(model)
+
+    # Each transformer layer is one FSDP unit; the optimizer's parameter groups are rebuilt over the shards.
+    optimizer = torch.optim.AdamW(model.parameters(), **cfg.adamw_kwargs, fused=True)
+    policy = megatron_fsdp.MixedPrecisionPolicy(
+        main_params_dtype=torch.float32 if cfg.mixed_precision.fp32_master_weights else None,
+        main_grads_dtype=torch.float32,
+    )
+    mesh = meshes.fsdp
+    hsdp = mesh["dp_replicate"].size() > 1
+    model, optimizer = megatron_fsdp.fully_shard(
+        model,
+        optimizer,
+        device_mesh=mesh,
+        dp_shard_dim="dp_shard",
+        dp_outer_dim="dp_replicate" if hsdp else None,
+        hybrid_fsdp_group=mesh["dp"].get_group() if hsdp else None,
+        tp_dim="tp",
+        fsdp_unit_modules=[type(model.vit.encoder.layers[0])],
+        zero_dp_strategy=cfg.fsdp.mfsdp_zero_dp_strategy,
+        mixed_precision_policy=policy,
+        device=device,
+    )
+    train_model = torch.compile(model) if cfg.use_torch_compile else model
+    return BuiltModel(model, train_model, config, plan, flops, "mfsdp", optimizer=optimizer)
+
+
+def _log_model(model: NVViTForImageClassification) -> None:
+    millions = sum(p.numel() for p in model.parameters()) / 1e6
+    config = model.config
+    logger.info(
+        "Model: ViT, %s backend, %.1fM parameters, %d classes, %d tokens per image",
+        model.backend,
+        millions,
+        config.num_labels,
+        tokens_per_image(config),
+    )

@@ -1,0 +1,412 @@
+# Copied from common/perf_logger.py — edit the source, then run ci/check_copies.py --fix
+"""Training metrics: progress, loss/throughput/MFU logging, Weights & Biases, summary.json, profiler window.
+
+The hot loop must not wait for the GPU, so per-step values (loss, token counts, attention work) are accumulated as
+device tensors and read back with ``.item()`` only on logging steps, every ``log_every`` steps. A logging step is
+collective: all ranks reduce their counters together, rank 0 prints and writes.
+
+Throughput counts *unpadded* tokens (BSHD: ``attention_mask.sum()``; THD: tokens that are not ``<pad>``, so a
+packed batch's padding pseudo-sequence does not count) summed over ranks and divided by the world size.
+
+Progress goes to a terminal as a tqdm bar. Off a terminal (a log file, SLURM, ``docker run`` without ``-t``) a bar
+is one endless line of carriage returns, so there rank 0 logs one plain line per logging step instead (step, loss,
+gradient norm, tokens/s, MFU, ETA), and the bars of transformers, huggingface_hub and datasets (loading weights,
+preparing data, writing the export) are off: :func:`quiet_progress_bars_off_a_terminal`, first thing in a run.
+"""
+
+import json
+import logging
+import math
+import statistics
+import sys
+import time
+from contextlib import nullcontext
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.distributed as dist
+import transformers
+from huggingface_hub.utils import disable_progress_bars as disable_hub_progress_bars
+from tqdm.auto import tqdm
+from user_errors import ConfigError, MissingPackageError
+
+
+logger = logging.getLogger(__name__)
+
+H100_BF16_DENSE_PEAK_FLOPS = 989e12  # H100/H200 SXM dense bf16 tensor-core peak
+
+
+@dataclass(frozen=True)
+class ModelFlops:
+    """Training FLOPs of an encoder, counted the way MFU is usually reported (no recomputation).
+
+    For ``T`` real tokens in sequences of lengths ``L_i``::
+
+        flops = 6 * N * T + 12 * n_layers * hidden * sum_i(L_i ** 2)
+
+    ``N`` is the number of non-embedding parameters: each costs a multiply-add (2 FLOPs) per token forward and twice
+    that backward. The attention term covers ``Q @ K^T`` and ``softmax @ V`` (2 * L * hidden FLOPs per token and layer
+    each, forward), times 3 for forward + backward. Per token this is the familiar
+    ``6 * N + 12 * n_layers * hidden * seq_len`` with ``seq_len = sum(L_i ** 2) / sum(L_i)``, the length each token
+    actually attends over, so packed short sequences are not credited with work they did not need.
+    """
+
+    non_embedding_params: int
+    num_layers: int
+    hidden_size: int
+
+    def flops(self, tokens: float, sum_squared_lengths: float) -> float:
+        return 6 * self.non_embedding_params * tokens + 12 * self.num_layers * self.hidden_size * sum_squared_lengths
+
+    @classmethod
+    def from_model(cls, model: torch.nn.Module, num_layers: int, hidden_size: int) -> "ModelFlops":
+        """Count parameters outside ``nn.Embedding`` modules (tied LM-head weights are the embedding, so excluded).
+
+        Works on meta-device and sharded models alike: a DTensor's ``numel`` is its global size.
+        """
+        embedding_ids = {
+            id(p) for module in model.modules() if isinstance(module, torch.nn.Embedding) for p in module.parameters()
+        }
+        params = {id(p): p for p in model.parameters()}  # unique: tied weights once
+        non_embedding = sum(p.numel() for key, p in params.items() if key not in embedding_ids)
+        return cls(non_embedding, num_layers, hidden_size)
+
+
+def batch_token_stats(batch: dict[str, Any], pad_token_id: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """(unpadded tokens, sum of squared sequence lengths) of one micro-batch, as tensors on the batch's device."""
+    input_ids = batch["input_ids"]
+    if "cu_seq_lens_q" in batch:  # THD: count non-pad tokens; lengths from the (padded) sequence boundaries
+        tokens = (input_ids != pad_token_id).sum()
+        cu = batch.get("cu_seq_lens_q_padded", batch["cu_seq_lens_q"])
+        lengths = (cu[1:] - cu[:-1]).to(device=input_ids.device, dtype=torch.float64)
+    else:
+        mask = batch.get("attention_mask")
+        mask = torch.ones_like(input_ids) if mask is None else mask
+        tokens = mask.sum()
+        lengths = mask.sum(dim=-1).to(torch.float64)
+    return tokens.to(torch.float64), (lengths**2).sum()
+
+
+class PerfLogger:
+    """Logs every ``log_every`` steps and writes ``metrics.jsonl`` during and ``summary.json`` after training.
+
+    Args:
+        cfg: the full run config (``logger``, ``wandb``, ``output_dir``, ``num_train_steps`` are read).
+        model_flops: see :class:`ModelFlops`.
+        pad_token_id: what THD padding looks like.
+        start_step: the step a resumed run starts after (0 for a fresh run).
+        cp_size: context-parallel ranks share each sequence, so their attention work is counted once.
+        config_name: recorded in the summary.
+        tokens_per_sample: when every sample has this many tokens (a ViT image: patches + class token), samples per
+            second are logged too (``samples_per_second_per_gpu``).
+    """
+
+    def __init__(
+        self,
+        cfg,
+        model_flops: ModelFlops,
+        pad_token_id: int,
+        start_step: int = 0,
+        cp_size: int = 1,
+        config_name: str = "",
+        tokens_per_sample: int | None = None,
+    ):
+        self.rank = dist.get_rank() if dist.is_initialized() else 0
+        self.world_size = dist.get_world_size() if dist.is_initialized() else 1
+        self.log_every = int(cfg.logger.log_every)
+        self.warmup_steps = int(cfg.logger.warmup_steps)
+        self.peak_flops = float(cfg.logger.peak_flops_per_gpu)
+        self.model_flops, self.pad_token_id, self.cp_size = model_flops, pad_token_id, cp_size
+        self.config_name, self.tokens_per_sample = config_name, tokens_per_sample
+        self.output_dir = Path(cfg.output_dir)
+        self.total_steps = int(cfg.num_train_steps)
+
+        self._counters: torch.Tensor | None = None  # [loss sum, tokens, sum L^2] over the current window
+        self._window_steps, self._window_start_step = 0, start_step
+        self._window_start_time = time.perf_counter()
+        self.history: list[dict[str, float]] = []
+
+        self._start_step, self._start_time = start_step, time.perf_counter()
+        self._progress = None  # the tqdm bar on a terminal; None off one (and on ranks > 0)
+        self._wandb = None
+        if self.rank == 0:
+            self._wandb = _init_wandb(cfg)
+            self.output_dir.mkdir(parents=True, exist_ok=True)
+            metrics_path = self.output_dir / "metrics.jsonl"
+            if start_step > 0:
+                drop_metrics_after(metrics_path, start_step)
+            self._metrics_file = metrics_path.open("a")
+            if sys.stderr.isatty():
+                self._progress = tqdm(total=self.total_steps, initial=start_step, desc="train", dynamic_ncols=True)
+            else:
+                quiet_progress_bars_off_a_terminal()
+
+    # ------------------------------------------------------------------ hot loop: no host-device sync here
+
+    def count_batch(self, batch: dict[str, Any]) -> None:
+        """Add one micro-batch's token counts; call it for every micro-batch once the batch is on its device."""
+        self.count_tokens(*batch_token_stats(batch, self.pad_token_id))
+
+    def count_tokens(self, tokens, sum_squared_lengths, device: torch.device | None = None) -> None:
+        """Add a micro-batch's real tokens and the sum of its squared sequence lengths: tensors on the batch's device,
+        or plain numbers with that ``device`` (images, whose counts are known without looking at the batch)."""
+        counters = self._window_counters(tokens.device if isinstance(tokens, torch.Tensor) else torch.device(device))
+        counters[1] += tokens
+        counters[2] += sum_squared_lengths / self.cp_size
+
+    def log_step(self, step: int, loss: torch.Tensor, grad_norm: torch.Tensor | None, lr: float) -> None:
+        """Record optimizer step ``step`` (1-based); every ``log_every`` steps reduce, print and write."""
+        self._window_counters(loss.device)[0] += loss.detach().to(torch.float64)
+        self._window_steps += 1
+        if self._progress is not None:
+            self._progress.update(1)
+        if step % self.log_every == 0 or step == self.total_steps:
+            self._flush(step, grad_norm, lr)
+
+    def _window_counters(self, device: torch.device) -> torch.Tensor:
+        if self._counters is None:
+            self._counters = torch.zeros(3, dtype=torch.float64, device=device)
+        return self._counters
+
+    # ------------------------------------------------------------------ logging steps
+
+    def _flush(self, step: int, grad_norm: torch.Tensor | None, lr: float) -> None:
+        counters = self._counters
+        if dist.is_initialized():
+            dist.all_reduce(counters)  # one collective for all three sums
+        if grad_norm is not None and hasattr(grad_norm, "full_tensor"):
+            grad_norm = grad_norm.full_tensor()  # sharded models report a DTensor norm
+        loss_sum, tokens, squared = counters.tolist()  # the one host-device sync of the window
+        elapsed = time.perf_counter() - self._window_start_time
+        steps = self._window_steps
+
+        loss = loss_sum / (steps * self.world_size)
+        tokens_per_gpu_s = tokens / self.world_size / elapsed
+        flops_per_gpu_s = self.model_flops.flops(tokens, squared) / self.world_size / elapsed
+        metrics = {
+            "step": step,
+            "loss": loss,
+            "perplexity": math.exp(min(loss, 50.0)),
+            "grad_norm": float(grad_norm) if grad_norm is not None else float("nan"),
+            "lr": lr,
+            "step_time_s": elapsed / steps,
+            "tokens_per_second_per_gpu": tokens_per_gpu_s,
+            "mfu": flops_per_gpu_s / self.peak_flops,
+            "peak_memory_gb": torch.cuda.max_memory_allocated() / 1e9 if torch.cuda.is_available() else 0.0,
+            "window_start_step": self._window_start_step,
+        }
+        if self.tokens_per_sample:
+            metrics["samples_per_second_per_gpu"] = tokens_per_gpu_s / self.tokens_per_sample
+        self.history.append(metrics)
+        if self.rank == 0:
+            self._metrics_file.write(json.dumps(metrics) + "\n")
+            self._metrics_file.flush()
+            if self._progress is not None:
+                self._progress.set_postfix(
+                    loss=f"{loss:.4f}", gnorm=f"{metrics['grad_norm']:.3f}", tok_s=f"{tokens_per_gpu_s:.3g}"
+                )
+            else:
+                logger.info(self._progress_line(metrics))
+            if self._wandb is not None:
+                self._wandb.log({k: v for k, v in metrics.items() if k != "step"}, step=step)
+
+        self._counters.zero_()
+        self._window_steps, self._window_start_step = 0, step
+        self._window_start_time = time.perf_counter()
+
+    def _progress_line(self, metrics: dict[str, float]) -> str:
+        """``step 40/150 | loss 3.2154 | grad_norm 2.505 | 1.95e+03 tokens/s/gpu | mfu 0.1% | eta 1m12s``."""
+        step = int(metrics["step"])
+        seconds_per_step = (time.perf_counter() - self._start_time) / max(step - self._start_step, 1)
+        samples = metrics.get("samples_per_second_per_gpu")
+        return (
+            f"step {step}/{self.total_steps} | loss {metrics['loss']:.4f} | grad_norm {metrics['grad_norm']:.3f} | "
+            f"{metrics['tokens_per_second_per_gpu']:.3g} tokens/s/gpu | "
+            + (f"{samples:.4g} samples/s/gpu | " if samples is not None else "")
+            + f"mfu {100 * metrics['mfu']:.1f}% | eta {format_duration(seconds_per_step * (self.total_steps - step))}"
+        )
+
+    def finish(self) -> dict[str, Any] | None:
+        """Close the bar and W&B run; on rank 0 write and return ``summary.json``."""
+        if self.rank != 0:
+            return None
+        if self._progress is not None:
+            self._progress.close()
+        self._metrics_file.close()
+        summary_path = self.output_dir / "summary.json"
+        if not self.history and summary_path.exists():
+            # A relaunch of a finished run (say, after a kill during the export) trains nothing: keep its summary.
+            logger.info("No step logged in this launch; %s is kept as it was", summary_path)
+            return json.loads(summary_path.read_text())
+        # Windows that start after warm-up (compilation, allocator growth, first NCCL calls) measure steady state.
+        steady = [m for m in self.history if m["window_start_step"] >= self.warmup_steps] or self.history
+        summary = {
+            "config_name": self.config_name,
+            "world_size": self.world_size,
+            "steps": self.history[-1]["step"] if self.history else 0,
+            "final_loss": self.history[-1]["loss"] if self.history else None,
+            "median_tokens_per_second_per_gpu": _median(m["tokens_per_second_per_gpu"] for m in steady),
+            "median_mfu": _median(m["mfu"] for m in steady),
+            **(
+                {"median_samples_per_second_per_gpu": _median(m["samples_per_second_per_gpu"] for m in steady)}
+                if self.tokens_per_sample
+                else {}
+            ),
+            "median_step_time_s": _median(m["step_time_s"] for m in steady),
+            "peak_memory_gb": max((m["peak_memory_gb"] for m in self.history), default=0.0),
+            "logged_windows_in_medians": len(steady),
+            "perf_warmup_steps": self.warmup_steps,
+            "peak_flops_per_gpu": self.peak_flops,
+            "device": torch.cuda.get_device_name() if torch.cuda.is_available() else "cpu",
+        }
+        summary_path.write_text(json.dumps(summary, indent=2) + "\n")
+        if self._wandb is not None:
+            self._wandb.summary.update(summary)
+            self._wandb.finish()
+        return summary
+
+
+def _median(values) -> float | None:
+    values = list(values)
+    return statistics.median(values) if values else None
+
+
+def quiet_progress_bars_off_a_terminal() -> None:
+    """Off a terminal, turn off the libraries' progress bars: each would be one long line of carriage returns in a
+    log. Call it first in an entrypoint, before anything loads weights or prepares data."""
+    if sys.stderr.isatty():
+        return
+    transformers.utils.logging.disable_progress_bar()
+    disable_hub_progress_bars()
+    datasets = sys.modules.get("datasets")  # only a recipe that reads data with it has imported it
+    if datasets is not None:
+        datasets.disable_progress_bars()
+
+
+def drop_metrics_after(path: Path, step: int) -> None:
+    """Keep the lines of ``metrics.jsonl`` up to ``step``, the checkpoint a run resumes from.
+
+    The steps after it were logged by a run that died before its next checkpoint; they are about to be trained (and
+    logged) again. A line torn by a kill mid-write goes too. So the file holds one line per logged step.
+    """
+    if not path.exists():
+        return
+    lines = path.read_text().splitlines()
+    kept = []
+    for line in lines:
+        try:
+            if json.loads(line)["step"] <= step:
+                kept.append(line)
+        except (json.JSONDecodeError, KeyError, TypeError):
+            continue
+    if kept != lines:
+        staging = path.with_name(path.name + ".tmp")
+        staging.write_text("".join(line + "\n" for line in kept))
+        staging.replace(path)
+        logger.info(
+            "%s: dropped %d line(s) after step %d, which this run trains again", path, len(lines) - len(kept), step
+        )
+
+
+def format_duration(seconds: float) -> str:
+    """``45s``, ``3m12s``, ``2h05m``: an ETA at the precision that matters."""
+    seconds = max(int(round(seconds)), 0)
+    hours, rest = divmod(seconds, 3600)
+    minutes, seconds = divmod(rest, 60)
+    if hours:
+        return f"{hours}h{minutes:02d}m"
+    return f"{minutes}m{seconds:02d}s" if minutes else f"{seconds}s"
+
+
+def _init_wandb(cfg):
+    """Start a W&B run when ``wandb.mode`` is online or offline; wandb is imported only then."""
+    mode = cfg.wandb.mode
+    if mode == "disabled":
+        return None
+    if mode not in ("online", "offline"):
+        raise ConfigError(f"wandb.mode={mode}: choose online, offline or disabled")
+    try:
+        import wandb
+    except ImportError as error:
+        raise MissingPackageError(
+            f"wandb.mode={mode} needs the wandb package; install it or set wandb.mode=disabled"
+        ) from error
+    from omegaconf import OmegaConf
+
+    return wandb.init(
+        mode=mode,
+        project=cfg.wandb.project,
+        name=cfg.wandb.name,
+        dir=str(cfg.output_dir),
+        config=OmegaConf.to_container(cfg, resolve=True),
+    )
+
+
+class Profiler:
+    """Profile steps ``start_step..end_step`` (inclusive) with torch.profiler or as an Nsight Systems capture range.
+
+    ``kind: torch`` writes a Chrome trace per rank to ``<output_dir>/profile_rank<r>.json``. ``kind: nsys`` calls
+    ``cudaProfilerStart/Stop`` around the window and marks each step with an NVTX range; run under
+    ``nsys profile --capture-range=cudaProfilerApi``.
+    """
+
+    def __init__(self, cfg, output_dir: str | Path):
+        self.enabled = bool(cfg.enabled)
+        self.kind, self.start_step, self.end_step = cfg.kind, int(cfg.start_step), int(cfg.end_step)
+        if self.enabled and self.kind not in ("torch", "nsys"):
+            raise ConfigError(f"profiler.kind={self.kind}: choose torch or nsys")
+        if self.enabled and self.end_step < self.start_step:
+            raise ConfigError(
+                f"profiler.end_step={self.end_step} comes before profiler.start_step={self.start_step}: "
+                "set end_step >= start_step"
+            )
+        self.output_dir = Path(output_dir)
+        self._torch_profiler = None
+
+    def step_context(self, step: int):
+        """Wrap optimizer step ``step`` (1-based): starts the window on its first step, stops after its last."""
+        if not self.enabled or not self.start_step <= step <= self.end_step:
+            return nullcontext()
+        return _ProfiledStep(self, step)
+
+    def _start(self) -> None:
+        if self.kind == "nsys":
+            torch.cuda.profiler.start()
+            return
+        activities = [torch.profiler.ProfilerActivity.CPU]
+        if torch.cuda.is_available():
+            activities.append(torch.profiler.ProfilerActivity.CUDA)
+        self._torch_profiler = torch.profiler.profile(activities=activities, record_shapes=True, with_stack=False)
+        self._torch_profiler.__enter__()
+
+    def _stop(self) -> None:
+        if self.kind == "nsys":
+            torch.cuda.profiler.stop()
+            return
+        self._torch_profiler.__exit__(None, None, None)
+        rank = dist.get_rank() if dist.is_initialized() else 0
+        trace = self.output_dir / f"profile_rank{rank}.json"
+        self._torch_profiler.export_chrome_trace(str(trace))
+        logger.info("Wrote profiler trace %s", trace)
+        self._torch_profiler = None
+
+
+class _ProfiledStep:
+    def __init__(self, profiler: Profiler, step: int):
+        self.profiler, self.step = profiler, step
+
+    def __enter__(self):
+        if self.step == self.profiler.start_step:
+            self.profiler._start()
+        if self.profiler.kind == "nsys":
+            torch.cuda.nvtx.range_push(f"step {self.step}")
+        return self
+
+    def __exit__(self, *exc):
+        if self.profiler.kind == "nsys":
+            torch.cuda.nvtx.range_pop()
+        if self.step == self.profiler.end_step:
+            self.profiler._stop()
+        return False

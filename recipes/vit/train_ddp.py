@@ -1,0 +1,119 @@
+"""Train a ViT image classifier with DistributedDataParallel: every GPU holds the whole model, gradients are
+all-reduced. The simplest entrypoint; start here on one GPU or a CPU.
+
+    python train_ddp.py                                          # one process (CPU or one GPU), the L0 sanity config
+    torchrun --nproc_per_node=8 train_ddp.py --config-name vit_tiny dataset.path=/data/imagenet
+
+Reads top to bottom: data (its classes size the classifier), model (``model_setup.build_model``), optimizer/scheduler,
+resume, train with validation, export. Every key it reads is documented in hydra_config/defaults.yaml.
+"""
+
+import logging
+from pathlib import Path
+
+import hydra
+import torch
+from checkpoint import Checkpointer, export_final_model, gather_full_state_dict
+from dataset import create_dataloaders
+from distributed import cleanup_distributed, move_to_device, setup_distributed
+from evaluation import BestModel, ValidationLog, evaluate
+from mixed_precision import computes_in_bf16
+from model_setup import build_model, image_processor, model_image_size
+from omegaconf import DictConfig, OmegaConf
+from perf_logger import PerfLogger, Profiler, quiet_progress_bars_off_a_terminal
+from recipe_paths import config_name
+from scheduler import get_linear_schedule_with_warmup
+from user_errors import check_config, report_user_errors
+
+
+logger = logging.getLogger(__name__)
+
+
+@report_user_errors(hydra.main(config_path="hydra_config", config_name="L0_sanity", version_base="1.3"))
+def main(cfg: DictConfig) -> None:
+    check_config(cfg)  # a `???` value left unset or a mistyped override (num_train_steps=abc) fails here, by name
+    quiet_progress_bars_off_a_terminal()  # in a log file a bar is one endless line
+    dist_config, device = setup_distributed()
+    if not dist_config.is_main_process():
+        logging.getLogger().setLevel(logging.WARNING)
+    logger.info("Config:\n%s", OmegaConf.to_yaml(cfg))
+    torch.manual_seed(cfg.seed)
+
+    # Data first: its classes decide the classifier's size. Each data-parallel rank reads its own share.
+    train_loader, val_loader, class_names = create_dataloaders(
+        cfg.dataset,
+        model_image_size(cfg),
+        dp_rank=dist_config.rank,
+        dp_world_size=dist_config.world_size,
+        seed=cfg.seed,
+    )
+
+    # Model: the same random init on every rank (same seed), or the weights in model_tag with init_from_pretrained,
+    # wrapped in DDP when launched by torchrun. bf16 compute is torch.autocast over fp32 weights.
+    built = build_model(cfg, device, meshes=None, strategy="ddp", class_names=class_names)
+    model = built.model
+    use_bf16 = computes_in_bf16(cfg.mixed_precision, device)
+    optimizer = torch.optim.AdamW(model.parameters(), **cfg.adamw_kwargs, fused=device.type == "cuda")
+    scheduler = get_linear_schedule_with_warmup(optimizer, **cfg.lr_scheduler_kwargs)
+
+    # Resume from the newest complete checkpoint (model, optimizer, schedule, data position, RNG).
+    checkpointer = Checkpointer(cfg.checkpoint.ckpt_dir, "ddp", max_checkpoints=cfg.checkpoint.max_checkpoints)
+    start_step = 0
+    if cfg.checkpoint.resume:
+        start_step = checkpointer.load_latest(model, optimizer, scheduler, train_loader, map_location=device)
+    with torch.random.fork_rng(devices=[]):  # making the iterator draws from the RNG; keep resumed runs identical
+        batches = iter(train_loader)
+
+    processor = image_processor(cfg, built.config)
+    best = BestModel(Path(cfg.output_dir) / "best_model", "ddp", processor)
+    validation_log = ValidationLog(cfg.output_dir, start_step)
+    perf = PerfLogger(
+        cfg, built.model_flops, -1, start_step, config_name=config_name(), tokens_per_sample=built.tokens_per_image
+    )
+    profiler = Profiler(cfg.profiler, cfg.output_dir)
+    built.train_model.train()
+    step = start_step
+    for step in range(start_step + 1, cfg.num_train_steps + 1):
+        with profiler.step_context(step):
+            step_loss = torch.zeros((), device=device)
+            # Weight each micro-batch by its share of the step's images (an epoch's last batch may be smaller).
+            micro_batches = [next(batches) for _ in range(cfg.grad_acc_steps)]
+            images = [len(batch["labels"]) for batch in micro_batches]
+            for micro_step, batch in enumerate(micro_batches):
+                batch = move_to_device(batch, device)
+                perf.count_tokens(*built.token_counts(images[micro_step]), device)
+                # Gradients are all-reduced only on the last micro-batch; earlier ones accumulate locally.
+                with built.gradient_sync(micro_step == cfg.grad_acc_steps - 1):
+                    with torch.autocast(device.type, dtype=torch.bfloat16, enabled=use_bf16):
+                        loss = built.train_model(**batch).loss * (images[micro_step] / sum(images))
+                    loss.backward()
+                step_loss += loss.detach()
+
+            grad_norm = torch.nn.utils.clip_grad_norm_(model.parameters(), cfg.max_grad_norm)
+            lr = scheduler.get_last_lr()[0]
+            optimizer.step()
+            scheduler.step()
+            optimizer.zero_grad(set_to_none=True)
+
+        perf.log_step(step, step_loss, grad_norm, lr)
+        if val_loader is not None and cfg.validation.every_n_steps and step % cfg.validation.every_n_steps == 0:
+            metrics = evaluate(built.train_model, val_loader, device, autocast_bf16=use_bf16)
+            validation_log.write(step, metrics)
+            best.update(step, metrics, model)
+        if cfg.checkpoint.save_every and step % cfg.checkpoint.save_every == 0:
+            checkpointer.save(step, model, optimizer, scheduler, train_loader)
+
+    if cfg.checkpoint.save_final and step > start_step:
+        checkpointer.save(step, model, optimizer, scheduler, train_loader)
+    perf.finish()
+
+    # Export a Hugging Face directory that loads anywhere, without this recipe's low-precision settings.
+    if cfg.export_final_model:
+        full_state_dict = gather_full_state_dict(model, "ddp")
+        export_final_model(model, full_state_dict, Path(cfg.output_dir) / "final_model", processor)
+    checkpointer.close()
+    cleanup_distributed()
+
+
+if __name__ == "__main__":
+    main()
