@@ -58,11 +58,16 @@ def checkpoint_weights(step_dir: Path, config: NVViTConfig) -> torch.nn.Module:
     model = NVViTForImageClassification(NVViTConfig(**{**config.to_dict(), "backend": "torch"}))
     if (step_dir / "train_state.pt").exists():  # DDP
         model.load_state_dict(torch.load(step_dir / "train_state.pt", weights_only=True)["model"])
-    else:  # FSDP2: a DCP directory, read without a process group
+    else:  # FSDP2 / Megatron-FSDP: a DCP directory, read without a process group
+        saved = dcp.FileSystemReader(str(step_dir)).read_metadata().state_dict_metadata
+        prefix = "model.module." if any(key.startswith("model.module.") for key in saved) else "model."
         weights = {k: v for k, v in model.state_dict().items() if not k.endswith("_extra_state")}
-        state = {"model." + k: v for k, v in weights.items()}
+        state = {prefix + k: v for k, v in weights.items()}
         dcp.load(state, checkpoint_id=str(step_dir), no_dist=True)
-        model.load_state_dict({k.removeprefix("model."): v for k, v in state.items()}, strict=False)
+        missing, unexpected = model.load_state_dict(
+            {k.removeprefix(prefix): v for k, v in state.items()}, strict=False
+        )
+        assert not unexpected and all(key.endswith("_extra_state") for key in missing), (missing, unexpected)
     return model.eval()
 
 

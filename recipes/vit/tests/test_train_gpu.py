@@ -1,0 +1,106 @@
+"""The training scripts on GPUs with the TransformerEngine backend (skipped on machines without them).
+
+The references are the CPU tests' (the L0 set's validation accuracy, the export against the checkpoint), plus: two
+GPUs (FSDP and HSDP) give the one-GPU run's losses, since two ranks of 16 images read the same 32 images (and crops)
+per step as one rank of 32; and the 224-pixel configs run at full size.
+"""
+
+import importlib.util
+import json
+from pathlib import Path
+
+import pytest
+from launch import run_script
+from test_train import assert_export_holds_the_checkpoint, read_jsonl
+
+
+needs_megatron_fsdp = pytest.mark.skipif(
+    importlib.util.find_spec("megatron_fsdp") is None, reason="megatron-fsdp is not installed"
+)
+TE = "++model_config_overrides.backend=te"
+
+
+@pytest.fixture(scope="module")
+def images(tmp_path_factory) -> Path:
+    from make_sample_images import make_sample_images  # test_train put scripts/ on the path
+
+    root = tmp_path_factory.mktemp("data") / "sample_images"
+    make_sample_images(root)
+    return root
+
+
+def train_on_gpu(script: str, output_dir: Path, images: Path, *overrides: str, nproc: int | None = 1) -> list[dict]:
+    args = [f"output_dir={output_dir}", f"dataset.path={images}", "logger.log_every=10", *overrides]
+    run_script(script, *args, nproc=nproc, cpu_only=False, timeout=600)
+    return read_jsonl(output_dir / "metrics.jsonl")
+
+
+def best_accuracy(output_dir: Path) -> float:
+    return max(v["accuracy"] for v in read_jsonl(output_dir / "validation.jsonl"))
+
+
+@pytest.mark.requires_te
+@pytest.mark.parametrize(
+    "script", ["train_ddp.py", "train_fsdp2.py", pytest.param("train_mfsdp.py", marks=needs_megatron_fsdp)]
+)
+def test_te_backend_learns_the_patterns_and_exports(tmp_path, images, script):
+    train_on_gpu(script, tmp_path, images, TE)
+    assert best_accuracy(tmp_path) > 0.9, read_jsonl(tmp_path / "validation.jsonl")
+    summary = json.loads((tmp_path / "summary.json").read_text())
+    assert summary["peak_memory_gb"] > 0 and summary["median_mfu"] > 0
+    assert summary["median_samples_per_second_per_gpu"] > 0
+    assert_export_holds_the_checkpoint(tmp_path, step=300)
+
+
+@pytest.mark.requires_fp8
+@pytest.mark.parametrize("recipe", ["DelayedScaling", "Float8CurrentScaling", "Float8BlockScaling"])
+def test_fp8_layers_learn(tmp_path, images, recipe):
+    """Every layer in FP8 (65 tokens per image: the model pads each sequence to 80 for the quantized GEMMs)."""
+    train_on_gpu("train_ddp.py", tmp_path, images, TE, "fp8_config.enabled=true", f"fp8_config.fp8_recipe={recipe}")
+    assert best_accuracy(tmp_path) > 0.85, read_jsonl(tmp_path / "validation.jsonl")
+    assert_export_holds_the_checkpoint(tmp_path, step=300)
+
+
+@pytest.mark.requires_te
+@pytest.mark.requires_multi_gpu
+@needs_megatron_fsdp
+@pytest.mark.parametrize("replicate", [1, 2], ids=["fsdp", "hsdp"])
+def test_megatron_fsdp_on_two_gpus_equals_one_gpu(tmp_path, images, replicate):
+    """dp_replicate=1: both GPUs shard one model; 2: two replicas (HSDP). Either way the losses are one GPU's."""
+    steps = ["num_train_steps=30", "validation.every_n_steps=0", "dataset.num_workers=0"]
+    one = train_on_gpu("train_mfsdp.py", tmp_path / "one", images, TE, *steps, "dataset.micro_batch_size=32")
+    two = train_on_gpu(
+        "train_mfsdp.py", tmp_path / "two", images, TE, *steps, "dataset.micro_batch_size=16",
+        f"mfsdp.dp_replicate={replicate}", nproc=2,
+    )  # fmt: skip
+    for a, b in zip(one, two, strict=True):
+        assert a["loss"] == pytest.approx(b["loss"], rel=2e-2), (a, b)
+    assert_export_holds_the_checkpoint(tmp_path / "two", step=30)
+
+
+@pytest.mark.requires_te
+@pytest.mark.requires_multi_gpu
+def test_fsdp2_on_two_gpus_learns(tmp_path, images):
+    train_on_gpu("train_fsdp2.py", tmp_path, images, TE, nproc=2)
+    assert best_accuracy(tmp_path) > 0.9, read_jsonl(tmp_path / "validation.jsonl")
+    assert_export_holds_the_checkpoint(tmp_path, step=300)
+
+
+@pytest.mark.requires_te
+@pytest.mark.parametrize(("config", "fp8"), [("vit_base", False), ("vit_base", True), ("vit_tiny", False)])
+def test_224_pixel_configs_run_at_full_size(tmp_path_factory, config, fp8):
+    """The shipped 224-pixel shapes, 10 steps on 224-pixel images (ViT-B/16: 197 tokens, padded to 208 in FP8)."""
+    from make_sample_images import make_sample_images
+
+    root = tmp_path_factory.mktemp("data224") / "images"
+    make_sample_images(root, per_class=40, size=224)
+    out = tmp_path_factory.mktemp("run")
+    overrides = ["num_train_steps=10", "validation.every_n_steps=10", "dataset.micro_batch_size=32"]
+    if fp8:
+        overrides.append("fp8_config.enabled=true")
+    script = "train_mfsdp.py" if importlib.util.find_spec("megatron_fsdp") else "train_fsdp2.py"
+    args = ["--config-name", config, f"output_dir={out}", f"dataset.path={root}", *overrides]
+    run_script(script, *args, nproc=1, cpu_only=False, timeout=600)
+    metrics = read_jsonl(out / "metrics.jsonl")
+    assert metrics[-1]["step"] == 10 and all(m["loss"] == m["loss"] for m in metrics)  # finite, no NaN
+    assert (out / "final_model" / "model.safetensors").is_file()
