@@ -99,8 +99,6 @@ class PerfLogger:
         start_step: the step a resumed run starts after (0 for a fresh run).
         cp_size: context-parallel ranks share each sequence, so their attention work is counted once.
         config_name: recorded in the summary.
-        tokens_per_sample: when every sample has this many tokens (a ViT image: patches + class token), samples per
-            second are logged too (``samples_per_second_per_gpu``).
     """
 
     def __init__(
@@ -111,7 +109,6 @@ class PerfLogger:
         start_step: int = 0,
         cp_size: int = 1,
         config_name: str = "",
-        tokens_per_sample: int | None = None,
     ):
         self.rank = dist.get_rank() if dist.is_initialized() else 0
         self.world_size = dist.get_world_size() if dist.is_initialized() else 1
@@ -119,7 +116,7 @@ class PerfLogger:
         self.warmup_steps = int(cfg.logger.warmup_steps)
         self.peak_flops = float(cfg.logger.peak_flops_per_gpu)
         self.model_flops, self.pad_token_id, self.cp_size = model_flops, pad_token_id, cp_size
-        self.config_name, self.tokens_per_sample = config_name, tokens_per_sample
+        self.config_name = config_name
         self.output_dir = Path(cfg.output_dir)
         self.total_steps = int(cfg.num_train_steps)
 
@@ -147,14 +144,10 @@ class PerfLogger:
 
     def count_batch(self, batch: dict[str, Any]) -> None:
         """Add one micro-batch's token counts; call it for every micro-batch once the batch is on its device."""
-        self.count_tokens(*batch_token_stats(batch, self.pad_token_id))
-
-    def count_tokens(self, tokens, sum_squared_lengths, device: torch.device | None = None) -> None:
-        """Add a micro-batch's real tokens and the sum of its squared sequence lengths: tensors on the batch's device,
-        or plain numbers with that ``device`` (images, whose counts are known without looking at the batch)."""
-        counters = self._window_counters(tokens.device if isinstance(tokens, torch.Tensor) else torch.device(device))
+        tokens, squared = batch_token_stats(batch, self.pad_token_id)
+        counters = self._window_counters(tokens.device)
         counters[1] += tokens
-        counters[2] += sum_squared_lengths / self.cp_size
+        counters[2] += squared / self.cp_size
 
     def log_step(self, step: int, loss: torch.Tensor, grad_norm: torch.Tensor | None, lr: float) -> None:
         """Record optimizer step ``step`` (1-based); every ``log_every`` steps reduce, print and write."""
@@ -197,8 +190,6 @@ class PerfLogger:
             "peak_memory_gb": torch.cuda.max_memory_allocated() / 1e9 if torch.cuda.is_available() else 0.0,
             "window_start_step": self._window_start_step,
         }
-        if self.tokens_per_sample:
-            metrics["samples_per_second_per_gpu"] = tokens_per_gpu_s / self.tokens_per_sample
         self.history.append(metrics)
         if self.rank == 0:
             self._metrics_file.write(json.dumps(metrics) + "\n")
@@ -220,12 +211,10 @@ class PerfLogger:
         """``step 40/150 | loss 3.2154 | grad_norm 2.505 | 1.95e+03 tokens/s/gpu | mfu 0.1% | eta 1m12s``."""
         step = int(metrics["step"])
         seconds_per_step = (time.perf_counter() - self._start_time) / max(step - self._start_step, 1)
-        samples = metrics.get("samples_per_second_per_gpu")
         return (
             f"step {step}/{self.total_steps} | loss {metrics['loss']:.4f} | grad_norm {metrics['grad_norm']:.3f} | "
-            f"{metrics['tokens_per_second_per_gpu']:.3g} tokens/s/gpu | "
-            + (f"{samples:.4g} samples/s/gpu | " if samples is not None else "")
-            + f"mfu {100 * metrics['mfu']:.1f}% | eta {format_duration(seconds_per_step * (self.total_steps - step))}"
+            f"{metrics['tokens_per_second_per_gpu']:.3g} tokens/s/gpu | mfu {100 * metrics['mfu']:.1f}% | "
+            f"eta {format_duration(seconds_per_step * (self.total_steps - step))}"
         )
 
     def finish(self) -> dict[str, Any] | None:
@@ -249,11 +238,6 @@ class PerfLogger:
             "final_loss": self.history[-1]["loss"] if self.history else None,
             "median_tokens_per_second_per_gpu": _median(m["tokens_per_second_per_gpu"] for m in steady),
             "median_mfu": _median(m["mfu"] for m in steady),
-            **(
-                {"median_samples_per_second_per_gpu": _median(m["samples_per_second_per_gpu"] for m in steady)}
-                if self.tokens_per_sample
-                else {}
-            ),
             "median_step_time_s": _median(m["step_time_s"] for m in steady),
             "peak_memory_gb": max((m["peak_memory_gb"] for m in self.history), default=0.0),
             "logged_windows_in_medians": len(steady),

@@ -223,11 +223,6 @@ class BuiltModel:
     def tokens_per_image(self) -> int:
         return tokens_per_image(self.config)
 
-    def token_counts(self, images: int) -> tuple[int, int]:
-        """(tokens, sum of squared sequence lengths) of ``images`` images, for the perf logger's FLOPs."""
-        tokens = self.tokens_per_image
-        return images * tokens, images * tokens * tokens
-
     def gradient_sync(self, enabled: bool) -> contextlib.AbstractContextManager:
         """Reduce gradients in this backward (``enabled``) or only accumulate them locally (earlier micro-batches)."""
         if self.strategy == "fsdp2":

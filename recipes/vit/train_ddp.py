@@ -17,6 +17,7 @@ from checkpoint import Checkpointer, export_final_model, gather_full_state_dict
 from dataset import create_dataloaders
 from distributed import cleanup_distributed, move_to_device, setup_distributed
 from evaluation import BestModel, ValidationLog, evaluate
+from image_throughput import add_images_per_second, token_grid
 from mixed_precision import computes_in_bf16
 from model_setup import build_model, image_processor, model_image_size
 from omegaconf import DictConfig, OmegaConf
@@ -67,9 +68,7 @@ def main(cfg: DictConfig) -> None:
     processor = image_processor(cfg, built.config)
     best = BestModel(Path(cfg.output_dir) / "best_model", "ddp", processor)
     validation_log = ValidationLog(cfg.output_dir, start_step)
-    perf = PerfLogger(
-        cfg, built.model_flops, -1, start_step, config_name=config_name(), tokens_per_sample=built.tokens_per_image
-    )
+    perf = PerfLogger(cfg, built.model_flops, pad_token_id=-1, start_step=start_step, config_name=config_name())
     profiler = Profiler(cfg.profiler, cfg.output_dir)
     built.train_model.train()
     step = start_step
@@ -81,7 +80,7 @@ def main(cfg: DictConfig) -> None:
             images = [len(batch["labels"]) for batch in micro_batches]
             for micro_step, batch in enumerate(micro_batches):
                 batch = move_to_device(batch, device)
-                perf.count_tokens(*built.token_counts(images[micro_step]), device)
+                perf.count_batch(token_grid(images[micro_step], built.tokens_per_image, device))
                 # Gradients are all-reduced only on the last micro-batch; earlier ones accumulate locally.
                 with built.gradient_sync(micro_step == cfg.grad_acc_steps - 1):
                     with torch.autocast(device.type, dtype=torch.bfloat16, enabled=use_bf16):
@@ -106,6 +105,7 @@ def main(cfg: DictConfig) -> None:
     if cfg.checkpoint.save_final and step > start_step:
         checkpointer.save(step, model, optimizer, scheduler, train_loader)
     perf.finish()
+    add_images_per_second(cfg.output_dir, built.tokens_per_image)
 
     # Export a Hugging Face directory that loads anywhere, without this recipe's low-precision settings.
     if cfg.export_final_model:

@@ -20,6 +20,7 @@ from dataset import create_dataloaders
 from distributed import Meshes, cleanup_distributed, move_to_device, setup_distributed
 from evaluation import BestModel, ValidationLog, evaluate
 from grad_clipping import clip_sharded_grad_norm_
+from image_throughput import add_images_per_second, token_grid
 from model_setup import build_model, image_processor, mfsdp_mesh, model_image_size
 from omegaconf import DictConfig, OmegaConf
 from perf_logger import PerfLogger, Profiler, quiet_progress_bars_off_a_terminal
@@ -85,9 +86,7 @@ def main(cfg: DictConfig) -> None:
     processor = image_processor(cfg, built.config)
     best = BestModel(Path(cfg.output_dir) / "best_model", "mfsdp", processor)
     validation_log = ValidationLog(cfg.output_dir, start_step)
-    perf = PerfLogger(
-        cfg, built.model_flops, -1, start_step, config_name=config_name(), tokens_per_sample=built.tokens_per_image
-    )
+    perf = PerfLogger(cfg, built.model_flops, pad_token_id=-1, start_step=start_step, config_name=config_name())
     profiler = Profiler(cfg.profiler, cfg.output_dir)
     built.train_model.train()
     step = start_step
@@ -99,7 +98,7 @@ def main(cfg: DictConfig) -> None:
             images = [len(batch["labels"]) for batch in micro_batches]
             for micro_step, batch in enumerate(micro_batches):
                 batch = move_to_device(batch, device)
-                perf.count_tokens(*built.token_counts(images[micro_step]), device)
+                perf.count_batch(token_grid(images[micro_step], built.tokens_per_image, device))
                 # Reduce gradients only after the last micro-batch.
                 with built.gradient_sync(micro_step == cfg.grad_acc_steps - 1):
                     loss = built.train_model(**batch).loss * (images[micro_step] / sum(images))
@@ -125,6 +124,7 @@ def main(cfg: DictConfig) -> None:
     if cfg.checkpoint.save_final and step > start_step:
         checkpointer.save(step, model, optimizer, scheduler, train_loader)
     perf.finish()
+    add_images_per_second(cfg.output_dir, built.tokens_per_image)
 
     # Export a Hugging Face directory: gather the full weights (collective), written by rank 0.
     if cfg.export_final_model:

@@ -48,7 +48,7 @@ def test_te_backend_learns_the_patterns_and_exports(tmp_path, images, script):
     assert best_accuracy(tmp_path) > 0.9, read_jsonl(tmp_path / "validation.jsonl")
     summary = json.loads((tmp_path / "summary.json").read_text())
     assert summary["peak_memory_gb"] > 0 and summary["median_mfu"] > 0
-    assert summary["median_samples_per_second_per_gpu"] > 0
+    assert summary["median_images_per_second_per_gpu"] > 0
     assert_export_holds_the_checkpoint(tmp_path, step=300)
 
 
