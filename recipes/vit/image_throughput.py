@@ -10,7 +10,6 @@ import json
 from pathlib import Path
 
 import torch
-import torch.distributed as dist
 
 
 def token_grid(images: int, tokens_per_image: int, device: torch.device) -> dict[str, torch.Tensor]:
@@ -18,16 +17,12 @@ def token_grid(images: int, tokens_per_image: int, device: torch.device) -> dict
     return {"input_ids": torch.ones(images, tokens_per_image, dtype=torch.int8, device=device)}
 
 
-def add_images_per_second(output_dir: str | Path, tokens_per_image: int) -> dict | None:
-    """On rank 0, add ``median_images_per_second_per_gpu`` to ``summary.json`` (written by ``PerfLogger.finish``)."""
-    if dist.is_initialized() and dist.get_rank() != 0:
-        return None
-    path = Path(output_dir) / "summary.json"
-    if not path.is_file():
-        return None
-    summary = json.loads(path.read_text())
+def add_images_per_second(summary: dict | None, output_dir: str | Path, tokens_per_image: int) -> None:
+    """Add ``median_images_per_second_per_gpu`` to the summary ``PerfLogger.finish`` returned (rank 0; None
+    elsewhere) and to the ``summary.json`` it wrote."""
+    if summary is None:
+        return
     tokens = summary.get("median_tokens_per_second_per_gpu")
     summary["tokens_per_image"] = tokens_per_image
     summary["median_images_per_second_per_gpu"] = tokens / tokens_per_image if tokens is not None else None
-    path.write_text(json.dumps(summary, indent=2) + "\n")
-    return summary
+    (Path(output_dir) / "summary.json").write_text(json.dumps(summary, indent=2) + "\n")

@@ -136,9 +136,10 @@ def tokens_per_image(config: NVViTConfig) -> int:
 
 def image_processor(cfg: DictConfig, config: NVViTConfig) -> ViTImageProcessor:
     """What the export ships as ``preprocessor_config.json``: the model's image size and this run's normalisation."""
+    height, width = config.image_size if isinstance(config.image_size, list | tuple) else (config.image_size,) * 2
     return ViTImageProcessor(
         do_resize=True,
-        size={"height": config.image_size, "width": config.image_size},
+        size={"height": height, "width": width},
         do_rescale=True,
         do_normalize=True,
         image_mean=list(cfg.dataset.mean),

@@ -104,8 +104,7 @@ def main(cfg: DictConfig) -> None:
 
     if cfg.checkpoint.save_final and step > start_step:
         checkpointer.save(step, model, optimizer, scheduler, train_loader)
-    perf.finish()
-    add_images_per_second(cfg.output_dir, built.tokens_per_image)
+    add_images_per_second(perf.finish(), cfg.output_dir, built.tokens_per_image)
 
     # Export a Hugging Face directory that loads anywhere, without this recipe's low-precision settings.
     if cfg.export_final_model:
