@@ -116,7 +116,10 @@ def describe(cfg: dict, accelerate_cfg: dict | None = None) -> dict:
     else:
         mixed = cfg.get("mixed_precision", {})
         precision = "bf16" + (" (fp32 master weights)" if mixed.get("fp32_master_weights") else "")
-    if data["input_format"] == "thd":
+    if "input_format" not in data:  # an image recipe: micro-batches of images (run_benchmark adds tokens per image)
+        data = {**data, "input_format": "images"}
+        tokens = data["micro_batch_size"]
+    elif data["input_format"] == "thd":
         tokens = data["token_budget"]
     else:
         tokens = data["micro_batch_size"] * data["max_seq_length"]
@@ -147,7 +150,12 @@ def markdown_row(result: dict) -> str:
         f"{result['step_time_s']:.3f} s",
         f"{100 * result['mfu']:.1f}%",
         f"{result['peak_memory_gb']:.1f} GB",
-        f"{result['steps']} steps, data: {result['data']}",
+        f"{result['steps']} steps, data: {result['data']}"
+        + (
+            f"; {result['images_per_second_per_gpu']:,.0f} images/s/GPU"
+            if result.get("images_per_second_per_gpu")
+            else ""
+        ),
     ]
     return "| " + " | ".join(str(c) for c in cells) + " |"
 
@@ -184,6 +192,12 @@ def run_benchmark(args: argparse.Namespace) -> dict:
     summary = json.loads((output_dir / "summary.json").read_text())
     cfg = resolved_config(recipe, args.config, overrides)
     accelerate_cfg = yaml.safe_load((recipe / args.accelerate_config).read_text()) if args.accelerate_config else None
+    described = describe(cfg, accelerate_cfg)
+    images = {}
+    if "tokens_per_image" in summary:  # recipes/vit: a micro-batch is images of tokens_per_image tokens each
+        described["input_format"] = f"images of {summary['tokens_per_image']} tokens"
+        described["tokens_per_micro_batch"] *= summary["tokens_per_image"]
+        images["images_per_second_per_gpu"] = summary["median_images_per_second_per_gpu"]
     return {
         "date": datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%d"),
         "device": summary.get("device", "cpu"),
@@ -193,7 +207,8 @@ def run_benchmark(args: argparse.Namespace) -> dict:
         "config": args.config,
         "overrides": args.override,
         "accelerate_config": args.accelerate_config,
-        **describe(cfg, accelerate_cfg),
+        **described,
+        **images,
         "tokens_per_second_per_gpu": summary["median_tokens_per_second_per_gpu"],
         "step_time_s": summary["median_step_time_s"],
         "mfu": summary["median_mfu"],

@@ -128,3 +128,24 @@ def test_tiny_lightning_run_reads_the_data_group(tmp_path):
     assert result["steps"] == 4 and result["model"] == "encodon_80m" and result["input_format"] == "thd"
     assert result["precision"] == "32-true" and result["tokens_per_micro_batch"] == 4096
     assert result["tokens_per_second_per_gpu"] > 0
+
+
+def test_image_recipe_reports_images_and_tokens_per_micro_batch(tmp_path):
+    """recipes/vit: a micro-batch is images; the row counts their tokens (65 per 32-pixel image of the L0 model) and
+    adds images/s/GPU."""
+    images = tmp_path / "images"
+    make_images = REPO_ROOT / "recipes" / "vit" / "scripts" / "make_sample_images.py"
+    subprocess.run([sys.executable, str(make_images), str(images), "--per-class", "10"], check=True, timeout=120)
+    result_file = tmp_path / "result.json"
+    command = [
+        sys.executable, str(REPO_ROOT / "ci" / "benchmark.py"),
+        "--recipe", "recipes/vit", "--entrypoint", "train_ddp.py", "--config", "L0_sanity",
+        "--steps", "4", "--log-every", "2", "--warmup", "2", "--data", str(images),
+        "--override", "dataset.num_workers=0", "--override", "validation.every_n_steps=0",
+        "--override", "dataset.micro_batch_size=8", "--json", str(result_file),
+    ]  # fmt: skip
+    subprocess.run(command, check=True, capture_output=True, text=True, timeout=300)
+    result = json.loads(result_file.read_text())
+    assert result["input_format"] == "images of 65 tokens" and result["tokens_per_micro_batch"] == 8 * 65
+    assert result["images_per_second_per_gpu"] == pytest.approx(result["tokens_per_second_per_gpu"] / 65)
+    assert "images/s/GPU" in benchmark.markdown_row(result)

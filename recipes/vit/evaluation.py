@@ -26,17 +26,20 @@ logger = logging.getLogger(__name__)
 
 
 @torch.no_grad()
-def evaluate(model: torch.nn.Module, val_loader, device: torch.device, autocast_bf16: bool = False) -> dict:
+def evaluate(
+    model: torch.nn.Module, val_loader, device: torch.device, autocast_bf16: bool = False, group=None
+) -> dict:
     """``{"loss", "accuracy", "images"}`` over the whole validation split (every rank's share), in eval mode.
     ``autocast_bf16``: compute under ``torch.autocast`` (DDP's bf16 over fp32 weights; the FSDP strategies cast the
-    weights themselves)."""
+    weights themselves). ``group``: the data-parallel ranks to sum over (None: all); with tensor parallelism the ranks
+    splitting one model see the same images, so each sums only with the ranks that hold its share."""
     was_training = model.training
     model.eval()
     sums = torch.zeros(3, dtype=torch.float64, device=device)  # loss * images, correct, images
     batches = iter(val_loader)
     passes = torch.tensor(len(val_loader), device=device)
     if dist.is_initialized():
-        dist.all_reduce(passes, op=dist.ReduceOp.MAX)
+        dist.all_reduce(passes, op=dist.ReduceOp.MAX, group=group)
     for _ in range(int(passes)):
         batch, weight = next(batches, None), 1.0
         if batch is None:  # this rank's share is used up: an empty-handed pass keeps the collectives in step
@@ -51,7 +54,7 @@ def evaluate(model: torch.nn.Module, val_loader, device: torch.device, autocast_
         sums[1] += weight * (output.logits.argmax(-1) == batch["labels"]).sum()
         sums[2] += weight * images
     if dist.is_initialized():
-        dist.all_reduce(sums)
+        dist.all_reduce(sums, group=group)
     model.train(was_training)
     loss_sum, correct, images = sums.tolist()
     if images == 0:

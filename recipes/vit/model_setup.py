@@ -15,7 +15,9 @@ log says so.
   ``meshes.fsdp`` with ``fully_shard`` and the one mixed-precision policy; built on the meta device when
   ``fsdp.use_meta_device``, so each rank materialises only its own shards;
 - ``"mfsdp"``: Megatron-FSDP (CUDA only) over the mesh of ``mfsdp_mesh`` (``dp_replicate`` x ``dp_shard`` x ``tp``).
-  It shards the model and its optimizer together, so for this strategy the optimizer is built here too.
+  It shards the model and its optimizer together, so for this strategy the optimizer is built here too. With
+  ``mfsdp.tp > 1`` each TE layer is split over the ``tp`` ranks (tensor parallelism) and Megatron-FSDP shards those
+  shares further over ``dp_shard``.
 """
 
 import contextlib
@@ -27,7 +29,7 @@ import torch.distributed as dist
 from convert import convert_vit_hf_to_te, nv_config_from_hf
 from distributed import Meshes
 from mixed_precision import computes_in_bf16, keeps_fp32_master_weights, mixed_precision_policy
-from modeling_vit_te import NVViTConfig, NVViTForImageClassification, resolve_backend
+from modeling_vit_te import NVViTConfig, NVViTForImageClassification, resolve_backend, tensor_parallel_shard
 from omegaconf import DictConfig, OmegaConf
 from perf_logger import ModelFlops
 from quantization import (
@@ -219,6 +221,8 @@ class BuiltModel:
     strategy: str
     ddp: DistributedDataParallel | None = None
     optimizer: torch.optim.Optimizer | None = None  # "mfsdp" only: sharded together with the model
+    # "mfsdp" with mfsdp.tp > 1: this rank's place among the ranks that split each layer (and see the same images).
+    tensor_parallel_rank: int = 0
 
     @property
     def tokens_per_image(self) -> int:
@@ -290,12 +294,11 @@ def build_model(
 
 def mfsdp_mesh(cfg: DictConfig, world_size: int) -> DeviceMesh:
     """The ``("dp_replicate", "dp_shard", "tp")`` mesh of ``cfg.mfsdp``: ``dp_replicate`` full replicas (HSDP), each
-    sharded over ``dp_shard`` GPUs; ``tp`` is tensor parallelism (only 1 for now)."""
+    sharded over ``dp_shard`` GPUs; each layer split over ``tp`` GPUs (tensor parallelism; neighbouring ranks, so on
+    one node)."""
     replicate, tp = int(cfg.mfsdp.dp_replicate), int(cfg.mfsdp.tp)
-    if tp != 1:
-        raise ConfigError(
-            f"mfsdp.tp={tp}: tensor parallelism is not implemented in this recipe yet; use mfsdp.tp=1 (FSDP and HSDP)"
-        )
+    if tp < 1:
+        raise ConfigError(f"mfsdp.tp={tp}: the tensor-parallel size must be 1 (off) or more")
     if replicate < 1 or world_size % (replicate * tp):
         raise ConfigError(
             f"mfsdp.dp_replicate={replicate} x mfsdp.tp={tp} must divide the number of processes ({world_size}); "
@@ -315,15 +318,23 @@ def _build_megatron_fsdp(cfg, device, meshes, config, plan, pretrained) -> Built
     Megatron-FSDP's meta-device path would initialise weights with each module's reset_parameters(), not the model's
     own initialisation, so it is not used. Its fp32 main weights live in its own sharded buffers, so the model itself
     is cast to bf16 whenever bf16 compute is on.
+
+    With tensor parallelism the whole model is built first, as one GPU builds it (same seed, same numbers), and each
+    rank keeps its share of it: a run with ``mfsdp.tp=2`` starts from the weights of a 1-GPU run, not from TE's
+    per-shard initialisation (which would depend on the TP size).
     """
     import megatron_fsdp
 
+    mesh = meshes.fsdp
     with torch.device(device):
         model = NVViTForImageClassification(config, fp8_recipe=plan.fp8_recipe, fp4_recipe=plan.fp4_recipe)
     apply_pretrained_weights(model, pretrained)
+    flops = model_flops(model, config)  # of the whole model: tensor-parallel ranks share one model's work
+    tp_rank = mesh["tp"].get_local_rank()
+    if mesh["tp"].size() > 1:
+        model = _tensor_parallel_share(model, config, plan, mesh["tp"], device)
     if cfg.mixed_precision.enabled:
         model.to(torch.bfloat16)  # compute weights; fp32 main weights live in Megatron-FSDP's buffers
-    flops = model_flops(model, config)
     _log_model(model)
 
     # Each transformer layer is one FSDP unit; the optimizer's parameter groups are rebuilt over the shards.
@@ -332,7 +343,6 @@ def _build_megatron_fsdp(cfg, device, meshes, config, plan, pretrained) -> Built
         main_params_dtype=torch.float32 if cfg.mixed_precision.fp32_master_weights else None,
         main_grads_dtype=torch.float32,
     )
-    mesh = meshes.fsdp
     hsdp = mesh["dp_replicate"].size() > 1
     model, optimizer = megatron_fsdp.fully_shard(
         model,
@@ -348,7 +358,29 @@ def _build_megatron_fsdp(cfg, device, meshes, config, plan, pretrained) -> Built
         device=device,
     )
     train_model = torch.compile(model) if cfg.use_torch_compile else model
-    return BuiltModel(model, train_model, config, plan, flops, "mfsdp", optimizer=optimizer)
+    return BuiltModel(
+        model, train_model, config, plan, flops, "mfsdp", optimizer=optimizer, tensor_parallel_rank=tp_rank
+    )
+
+
+def _tensor_parallel_share(
+    whole: NVViTForImageClassification, config: NVViTConfig, plan: QuantizationPlan, tp_mesh: DeviceMesh, device
+) -> NVViTForImageClassification:
+    """The tensor-parallel model of this rank holding its share of ``whole``'s weights."""
+    # Building it draws TE's own init from the RNG; forked, so the run's random stream after the build is a 1-GPU
+    # run's (the same augmentations on the same steps).
+    with torch.random.fork_rng(devices=[device]):
+        try:
+            with torch.device(device):
+                model = NVViTForImageClassification(
+                    config, fp8_recipe=plan.fp8_recipe, fp4_recipe=plan.fp4_recipe, tp_group=tp_mesh.get_group()
+                )
+        except ValueError as error:  # heads or MLP width not divisible, or the torch backend
+            raise ConfigError(f"mfsdp.tp={tp_mesh.size()}: {error}") from None
+    share = tensor_parallel_shard(model, whole.state_dict(), tp_mesh.get_local_rank(), tp_mesh.size())
+    load_state_dict_exactly(model, share, "this rank's tensor-parallel share of the model")
+    logger.info("Tensor parallelism: each transformer layer split over %d GPUs", tp_mesh.size())
+    return model
 
 
 def _log_model(model: NVViTForImageClassification) -> None:

@@ -1,8 +1,9 @@
 """Train a ViT image classifier with Megatron-FSDP (``megatron_fsdp.fully_shard``): NVIDIA's FSDP with bucketed,
-overlapped communication and fp32 main weights in its own sharded buffers, over a mesh of replicas (HSDP) and shards.
+overlapped communication and fp32 main weights in its own sharded buffers, over a mesh of replicas (HSDP), shards and tensor-parallel ranks.
 NVIDIA GPUs only.
 
     torchrun --nproc_per_node=8 train_mfsdp.py --config-name vit_base dataset.path=/data/imagenet
+    torchrun --nproc_per_node=8 train_mfsdp.py --config-name vit_base mfsdp.tp=2 ...  # layers split over 2 GPUs
     torchrun --nnodes=2 --nproc_per_node=8 ... train_mfsdp.py --config-name vit_base mfsdp.dp_replicate=2 ...  # HSDP
 
 Reads top to bottom: data (its classes size the classifier), mesh, model and optimizer sharded together
@@ -98,7 +99,9 @@ def main(cfg: DictConfig) -> None:
             images = [len(batch["labels"]) for batch in micro_batches]
             for micro_step, batch in enumerate(micro_batches):
                 batch = move_to_device(batch, device)
-                perf.count_batch(token_grid(images[micro_step], built.tokens_per_image, device))
+                # Tensor-parallel ranks compute on the same images: one of them counts them for tokens/s and MFU.
+                counted = images[micro_step] if built.tensor_parallel_rank == 0 else 0
+                perf.count_batch(token_grid(counted, built.tokens_per_image, device))
                 # Reduce gradients only after the last micro-batch.
                 with built.gradient_sync(micro_step == cfg.grad_acc_steps - 1):
                     loss = built.train_model(**batch).loss * (images[micro_step] / sum(images))
@@ -114,7 +117,7 @@ def main(cfg: DictConfig) -> None:
 
         perf.log_step(step, step_loss, grad_norm, lr)
         if val_loader is not None and cfg.validation.every_n_steps and step % cfg.validation.every_n_steps == 0:
-            metrics = evaluate(built.train_model, val_loader, device)
+            metrics = evaluate(built.train_model, val_loader, device, group=meshes.dp.get_group())
             validation_log.write(step, metrics)
             best.update(step, metrics, model)
         checkpointer.poll()  # finalise a finished background save without waiting for one

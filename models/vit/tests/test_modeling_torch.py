@@ -357,3 +357,20 @@ def test_padding_for_quantized_gemms_changes_no_output():
     assert (actual.logits - expected.logits).abs().max() <= 1e-5
     assert abs(actual.loss.item() - expected.loss.item()) <= 1e-5
     assert [h.shape for h in actual.hidden_states] == [h.shape for h in expected.hidden_states]
+
+
+def test_tensor_parallelism_is_refused_where_it_cannot_split(monkeypatch):
+    """A tp_group of 2 needs the TE backend and heads and MLP width divisible by 2 (the 2-GPU TE run is in
+    test_modeling_te.py); a group of one is no split at all."""
+    import vit_te.modeling_vit_te as modeling
+
+    group = object()
+    monkeypatch.setattr(torch.distributed, "get_world_size", lambda g=None: 2 if g is group else 1)
+    config = init_config()
+    assert modeling._tensor_parallel_kwargs(config, "te", None) == {}
+    with pytest.raises(ValueError, match="needs the TransformerEngine backend"):
+        NVViTForImageClassification(init_config(backend="torch"), tp_group=group)
+    odd_heads = init_config(num_attention_heads=3, hidden_size=96)
+    with pytest.raises(ValueError, match="num_attention_heads=3 is not divisible by the 2 tensor-parallel ranks"):
+        modeling._tensor_parallel_kwargs(odd_heads, "te", group)
+    assert modeling._tensor_parallel_kwargs(config, "te", group)["tp_size"] == 2

@@ -14,6 +14,13 @@ Every image of a batch has the same number of tokens, so the layers run on BSHD 
 an attention mask. Quantized (FP8/FP4) layers need GEMMs whose token count is a multiple of 16: the sequence is then
 padded at its end with masked tokens that no real token attends to, and cut off again after the encoder.
 
+Tensor parallelism (TE backend only): pass ``tp_group``, a process group of the ranks that split every layer. Each
+rank then holds its share of the heads (the rows of the fused QKV projection and of the first MLP projection, the
+columns of the attention output and the second MLP projection); everything else is replicated. TE marks the split
+parameters (``tensor_model_parallel``, ``partition_dim``), which is what Megatron-FSDP reads to shard them further and
+to checkpoint them as DTensors of the full shape. :func:`tensor_parallel_shard` cuts a full (1-GPU) state dict into a
+rank's share, so a tensor-parallel model starts from exactly the weights a single GPU would.
+
 This file is self-contained apart from ``torch_layers.py`` and ``meta_init.py`` beside it, so they can be copied into
 a recipe and shipped inside an exported checkpoint (``trust_remote_code=True``).
 """
@@ -183,10 +190,25 @@ class NVViTEmbeddings(nn.Module):
         return self.dropout(embeddings)
 
 
+def _tensor_parallel_kwargs(config: NVViTConfig, backend: str, tp_group) -> dict:
+    """TE's arguments that split each layer over ``tp_group`` (no sequence parallelism: every rank sees every token);
+    nothing for ``tp_group=None`` or a group of one."""
+    tp_size = 1 if tp_group is None else torch.distributed.get_world_size(tp_group)
+    if tp_size == 1:
+        return {}
+    if backend != "te":
+        raise ValueError(f"tensor parallelism (a tp_group of {tp_size} ranks) needs the TransformerEngine backend")
+    for name in ("num_attention_heads", "intermediate_size"):
+        if getattr(config, name) % tp_size:
+            raise ValueError(f"{name}={getattr(config, name)} is not divisible by the {tp_size} tensor-parallel ranks")
+    return {"set_parallel_mode": True, "tp_group": tp_group, "tp_size": tp_size, "sequence_parallel": False}
+
+
 class NVViTEncoder(nn.Module):
-    def __init__(self, config: NVViTConfig, backend: str):
+    def __init__(self, config: NVViTConfig, backend: str, tp_group=None):
         super().__init__()
         layer_class = te.TransformerLayer if backend == "te" else TorchTransformerLayer
+        tensor_parallel = _tensor_parallel_kwargs(config, backend, tp_group)
         std = config.initializer_range
 
         def init_method(weight: torch.Tensor) -> None:
@@ -217,9 +239,30 @@ class NVViTEncoder(nn.Module):
                 attn_input_format="bshd",
                 params_dtype=config.dtype if isinstance(config.dtype, torch.dtype) else torch.float32,
                 **device_kwargs,
+                **tensor_parallel,
             )
             for index in range(config.num_hidden_layers)
         )
+
+
+def tensor_parallel_shard(
+    model: nn.Module, full_state_dict: dict[str, torch.Tensor], tp_rank: int, tp_size: int
+) -> dict[str, torch.Tensor]:
+    """This rank's share of ``full_state_dict`` (a 1-GPU model's weights) for the tensor-parallel ``model``: the
+    ``tp_rank``-th of ``tp_size`` equal chunks along ``partition_dim`` of every parameter TE split, the whole tensor
+    for every other one. The fused QKV projection keeps its weights per head (``qkv_weight_interleaved``), so a chunk
+    of its rows is whole heads, as TE's split expects."""
+    params, shard = dict(model.named_parameters()), {}
+    for name, local in model.state_dict().items():
+        if name.endswith("_extra_state"):
+            continue
+        full, param = full_state_dict[name], params.get(name)
+        if getattr(param, "tensor_model_parallel", False):
+            full = full.chunk(tp_size, dim=param.partition_dim)[tp_rank]
+        if full.shape != local.shape:
+            raise ValueError(f"{name}: a {tuple(full.shape)} share for a {tuple(local.shape)} tensor-parallel weight")
+        shard[name] = full
+    return shard
 
 
 def _is_backend_layer(module: nn.Module) -> bool:
@@ -274,11 +317,11 @@ class NVViTPreTrainedModel(PreTrainedModel):
 class NVViTModel(NVViTPreTrainedModel):
     """The ViT encoder. ``last_hidden_state`` is [batch, 1 + patches, hidden]; ``pooler_output`` the class token's."""
 
-    def __init__(self, config: NVViTConfig, fp8_recipe=None, fp4_recipe=None):
+    def __init__(self, config: NVViTConfig, fp8_recipe=None, fp4_recipe=None, tp_group=None):
         super().__init__(config)
         self.backend = resolve_backend(config.backend)
         self.embeddings = NVViTEmbeddings(config)
-        self.encoder = NVViTEncoder(config, self.backend)
+        self.encoder = NVViTEncoder(config, self.backend, tp_group)
         self.layernorm = nn.LayerNorm(config.hidden_size, eps=config.layer_norm_eps)
         self.layer_precision = list(config.layer_precision or [None] * config.num_hidden_layers)
         self._recipes = {"fp8": fp8_recipe, "fp4": fp4_recipe}
@@ -359,10 +402,10 @@ def classification_loss(logits: torch.Tensor, labels: torch.Tensor, config: NVVi
 class NVViTForImageClassification(NVViTPreTrainedModel):
     """ViT with a linear classifier on the final class token; the classifier runs in high precision."""
 
-    def __init__(self, config: NVViTConfig, fp8_recipe=None, fp4_recipe=None):
+    def __init__(self, config: NVViTConfig, fp8_recipe=None, fp4_recipe=None, tp_group=None):
         super().__init__(config)
         self.num_labels = config.num_labels
-        self.vit = NVViTModel(config, fp8_recipe=fp8_recipe, fp4_recipe=fp4_recipe)
+        self.vit = NVViTModel(config, fp8_recipe=fp8_recipe, fp4_recipe=fp4_recipe, tp_group=tp_group)
         self.classifier = nn.Linear(config.hidden_size, config.num_labels) if config.num_labels > 0 else nn.Identity()
         self.post_init()
 

@@ -1,8 +1,9 @@
 """The training scripts on GPUs with the TransformerEngine backend (skipped on machines without them).
 
 The references are the CPU tests' (the L0 set's validation accuracy, the export against the checkpoint), plus: two
-GPUs (FSDP and HSDP) give the one-GPU run's losses, since two ranks of 16 images read the same 32 images (and crops)
-per step as one rank of 32; and the 224-pixel configs run at full size.
+GPUs give the one-GPU run's losses, with FSDP and HSDP because two ranks of 16 images read the same 32 images (and
+crops) per step as one rank of 32, and with tensor parallelism (TP=2) because both ranks read the one GPU's 32 images
+and start from its weights; and the 224-pixel configs run at full size.
 """
 
 import importlib.util
@@ -64,17 +65,25 @@ def test_fp8_layers_learn(tmp_path, images, recipe):
 @pytest.mark.requires_te
 @pytest.mark.requires_multi_gpu
 @needs_megatron_fsdp
-@pytest.mark.parametrize("replicate", [1, 2], ids=["fsdp", "hsdp"])
-def test_megatron_fsdp_on_two_gpus_equals_one_gpu(tmp_path, images, replicate):
-    """dp_replicate=1: both GPUs shard one model; 2: two replicas (HSDP). Either way the losses are one GPU's."""
-    steps = ["num_train_steps=30", "validation.every_n_steps=0", "dataset.num_workers=0"]
+@pytest.mark.parametrize(
+    ("mesh", "micro_batch"),
+    [("mfsdp.dp_replicate=1", 16), ("mfsdp.dp_replicate=2", 16), ("mfsdp.tp=2", 32)],
+    ids=["fsdp", "hsdp", "tp"],
+)
+def test_megatron_fsdp_on_two_gpus_equals_one_gpu(tmp_path, images, mesh, micro_batch):
+    """fsdp: both GPUs shard one model; hsdp: two replicas (dp_replicate=2); tp: each layer split over both GPUs,
+    which then see the same 32 images. Every way, the losses are one GPU's, and so are validation and the export."""
+    steps = ["num_train_steps=30", "validation.every_n_steps=30", "dataset.num_workers=0"]
     one = train_on_gpu("train_mfsdp.py", tmp_path / "one", images, TE, *steps, "dataset.micro_batch_size=32")
     two = train_on_gpu(
-        "train_mfsdp.py", tmp_path / "two", images, TE, *steps, "dataset.micro_batch_size=16",
-        f"mfsdp.dp_replicate={replicate}", nproc=2,
+        "train_mfsdp.py", tmp_path / "two", images, TE, *steps, f"dataset.micro_batch_size={micro_batch}", mesh,
+        nproc=2,
     )  # fmt: skip
     for a, b in zip(one, two, strict=True):
         assert a["loss"] == pytest.approx(b["loss"], rel=2e-2), (a, b)
+    one_validation, two_validation = (read_jsonl(tmp_path / run / "validation.jsonl")[-1] for run in ("one", "two"))
+    assert two_validation["images"] == one_validation["images"] == 100
+    assert two_validation["loss"] == pytest.approx(one_validation["loss"], rel=5e-2)
     assert_export_holds_the_checkpoint(tmp_path / "two", step=30)
 
 
