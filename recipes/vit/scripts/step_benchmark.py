@@ -27,7 +27,7 @@ sys.path.insert(0, str(RECIPE_DIR))
 from distributed import Meshes, cleanup_distributed, setup_distributed  # noqa: E402
 from grad_clipping import clip_sharded_grad_norm_  # noqa: E402
 from hydra import compose, initialize_config_dir  # noqa: E402
-from mixed_precision import computes_in_bf16, keeps_fp32_master_weights  # noqa: E402
+from mixed_precision import computes_in_bf16  # noqa: E402
 from model_setup import build_model, mfsdp_mesh, model_image_size  # noqa: E402
 
 
@@ -63,8 +63,7 @@ def main(argv=None) -> dict:
         optimizer = built.optimizer
     else:
         optimizer = torch.optim.AdamW(built.model.parameters(), **cfg.adamw_kwargs, fused=device.type == "cuda")
-    autocast = args.strategy == "ddp" and computes_in_bf16(cfg.mixed_precision, device)
-    autocast = autocast and keeps_fp32_master_weights(cfg.mixed_precision, device)
+    autocast = args.strategy == "ddp" and computes_in_bf16(cfg.mixed_precision, device)  # as train_ddp.py does
 
     batch_size = args.micro_batch or cfg.dataset.micro_batch_size
     size = model_image_size(cfg)
