@@ -1,0 +1,115 @@
+"""ci/profile_summary.py: kernel grouping, GPU-busy time and per-step averages on hand-written traces."""
+
+import json
+import sys
+from pathlib import Path
+
+import pytest
+
+
+REPO_ROOT = Path(__file__).resolve().parents[2]
+sys.path.insert(0, str(REPO_ROOT / "ci"))
+import profile_summary  # noqa: E402
+
+
+def kernel(name, ts, dur, cat="kernel"):
+    return {"ph": "X", "cat": cat, "name": name, "ts": ts, "dur": dur, "pid": 0, "tid": 7}
+
+
+# Two steps of 100 us each; kernels overlap on two streams in step 1 and the GPU idles 40 us in step 2.
+TRACE = {
+    "traceEvents": [
+        {"ph": "X", "cat": "cpu_op", "name": "aten::mm", "ts": 0, "dur": 500},  # host events are ignored
+        kernel("sm90_xmma_gemm_bf16bf16_bf16f32_f32_tn_n", 0, 50),
+        kernel("cudnn_generated_fort_native_sdpa_sm90_flash_fprop", 40, 30),  # overlaps the GEMM by 10 us
+        kernel("void transformer_engine::fused_rope_forward_kernel<float>", 70, 10),
+        kernel("void transformer_engine::normalization::rmsnorm_fwd_tuned_kernel", 80, 20),
+        kernel("ncclDevKernel_ReduceScatter_Sum_f32_RING_LL", 100, 20),
+        kernel("Memcpy HtoD (Pageable -> Device)", 120, 5, cat="gpu_memcpy"),
+        kernel("void transformer_engine::cast_transpose_kernel<fp8e4m3>", 125, 15),
+        kernel("void multi_tensor_apply_kernel<AdamFunctor>", 180, 20),
+        kernel("my_custom_kernel", 140, 0),  # zero length: not counted
+    ]
+}
+
+
+def test_groups_busy_time_and_per_step_means():
+    profile = profile_summary.summarise(TRACE, steps=2)
+    assert profile.wall_us == pytest.approx(100.0)  # 0..200 us over 2 steps
+    assert profile.busy_us == pytest.approx((100 + 40 + 20) / 2)  # 0-100 (union), 100-140, 180-200
+    assert profile.kernels == 4  # 8 kernels and copies with a duration, over 2 steps
+    assert profile.group_us == pytest.approx(
+        {
+            "GEMM": 25.0,
+            "attention": 15.0,
+            "RoPE": 5.0,
+            "norm (LayerNorm/RMSNorm)": 10.0,
+            "communication (NCCL)": 10.0,
+            "memcpy/memset": 2.5,
+            "FP8 quantise/transpose/amax": 7.5,
+            "optimizer": 10.0,
+        }
+    )
+
+
+@pytest.mark.parametrize(
+    ("name", "group"),
+    [
+        ("void transformer_engine::normalization::ln_bwd_tuned_kernel", "norm (LayerNorm/RMSNorm)"),
+        ("void transformer_engine::fused_rope_backward_kernel", "RoPE"),
+        ("nvjet_hsh_128x256_64x4_2x1_v_bz_coopA_NTN", "GEMM"),
+        ("void cutlass::Kernel2<cutlass_80_wmma_tensorop_bf16_s161616gemm>", "GEMM"),
+        ("void transformer_engine::dswiglu_kernel", "activation (GELU/SwiGLU)"),
+        ("triton_poi_fused_add_mul_tanh_0", "triton (torch.compile)"),
+        (
+            "void at::native::vectorized_elementwise_kernel<4, CUDAFunctor_add<c10::BFloat16>>",
+            "elementwise/reduce (torch)",
+        ),
+        ("void at::native::(anonymous namespace)::cunn_SoftMaxForward", "cross-entropy"),
+        ("something_new", "other"),
+    ],
+)
+def test_kernel_names_land_in_their_group(name, group):
+    assert profile_summary.kernel_group(name) == group
+
+
+def test_render_lists_groups_largest_first_and_names_other_kernels():
+    trace = {"traceEvents": [kernel("gemm_a", 0, 30), kernel("mystery_kernel", 30, 10)]}
+    text = profile_summary.render(profile_summary.summarise(trace, steps=1), title="t")
+    lines = text.splitlines()
+    assert lines[0] == "**t**"
+    assert "wall 0.0 ms, GPU busy 0.0 ms (100%), 2 kernels" in text
+    assert lines.index("| GEMM | 0.0 | 75% | 1 |") < lines.index("| other | 0.0 | 25% | 1 |")
+    assert "Largest kernels in 'other': mystery_kernel" in text
+
+
+def test_command_line_and_clear_errors(tmp_path, capsys):
+    good = tmp_path / "profile_rank0.json"
+    good.write_text(json.dumps(TRACE))
+    assert profile_summary.main([str(good), "--steps", "2"]) == 0
+    assert "| GEMM | 0.0 |" in capsys.readouterr().out
+
+    no_gpu = tmp_path / "cpu_only.json"
+    no_gpu.write_text(
+        json.dumps({"traceEvents": [{"ph": "X", "cat": "cpu_op", "name": "aten::mm", "ts": 0, "dur": 1}]})
+    )
+    assert profile_summary.main([str(no_gpu), "--steps", "1"]) == 2
+    assert "no GPU kernels" in capsys.readouterr().err
+
+    not_a_trace = tmp_path / "list.json"
+    not_a_trace.write_text("[]")
+    assert profile_summary.main([str(not_a_trace), "--steps", "1"]) == 2
+    assert "no 'traceEvents'" in capsys.readouterr().err
+
+    with pytest.raises(SystemExit):
+        profile_summary.main([str(tmp_path / "missing.json"), "--steps", "1"])
+    with pytest.raises(ValueError, match="at least 1"):
+        profile_summary.summarise(TRACE, steps=0)
+
+
+def test_largest_kernels_of_each_group_on_request():
+    trace = {"traceEvents": [kernel("gemm_small", 0, 10), kernel("gemm_big", 10, 30), kernel("gemm_big", 40, 30)]}
+    profile = profile_summary.summarise(trace, steps=1)
+    assert "- GEMM" not in profile_summary.render(profile)
+    text = profile_summary.render(profile, kernels_per_group=1)
+    assert text.splitlines()[-1] == "- GEMM: gemm_big 0.06 ms"
