@@ -30,8 +30,9 @@ import torch
 
 logger = logging.getLogger(__name__)
 
-# Files every modeling file imports from beside it; an export ships them with it.
-MODELING_SUPPORT_FILES = ("torch_layers.py", "packing.py", "meta_init.py")
+# Files a modeling file imports from beside it; an export ships those of them that sit beside it (te_attention.py
+# belongs to the models whose TE layers take no rotary embeddings).
+MODELING_SUPPORT_FILES = ("torch_layers.py", "packing.py", "meta_init.py", "te_attention.py")
 
 
 def tied_parameter_names(model: torch.nn.Module) -> dict[str, str]:
@@ -57,7 +58,7 @@ def modeling_files(model: torch.nn.Module) -> tuple[list[Path], dict[str, str], 
         if module is not None and hasattr(module, "AUTO_MAP"):
             path = Path(module.__file__)
             return (
-                [path] + [path.with_name(name) for name in MODELING_SUPPORT_FILES],
+                [path] + [path.with_name(name) for name in MODELING_SUPPORT_FILES if path.with_name(name).is_file()],
                 dict(module.AUTO_MAP),
                 cls.__name__,
             )

@@ -36,10 +36,12 @@ from transformers.modeling_outputs import BaseModelOutput, MaskedLMOutput
 try:  # package import (models/geneformer, exported checkpoints)
     from .meta_init import materialize_meta_model
     from .packing import IGNORE_INDEX, PackedBatch, pack_inputs, token_mean_loss
+    from .te_attention import split_packed_qkv
     from .torch_layers import TransformerLayer as TorchTransformerLayer
 except ImportError:  # flat copy inside a recipe folder
     from meta_init import materialize_meta_model
     from packing import IGNORE_INDEX, PackedBatch, pack_inputs, token_mean_loss
+    from te_attention import split_packed_qkv
     from torch_layers import TransformerLayer as TorchTransformerLayer
 
 try:
@@ -210,6 +212,8 @@ class NVGeneformerEncoder(nn.Module):
             )
             for index in range(config.num_hidden_layers)
         )
+        if backend == "te":  # attention's inputs as views of the QKV projection, copy-free backward
+            split_packed_qkv(self.layers)
 
 
 def _is_backend_layer(module: nn.Module) -> bool:

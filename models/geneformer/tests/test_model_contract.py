@@ -50,7 +50,13 @@ CONTRACTS = {
         make_batch=make_batch,
         init_config=init_config,
         tokenizer_texts=("17 523 9 44 5 981", "300 2"),
-        modeling_files=("modeling_geneformer_te.py", "torch_layers.py", "packing.py", "meta_init.py"),
+        modeling_files=(
+            "modeling_geneformer_te.py",
+            "torch_layers.py",
+            "packing.py",
+            "meta_init.py",
+            "te_attention.py",
+        ),
         te_hf_model=partial(stock_model, **{**shape_of("geneformer_10M"), "num_hidden_layers": 4}),
         rotary=False,
         # ReLU and post-norm make bf16 gradients of this model noisy in either backend: measured on 1xH100 against
