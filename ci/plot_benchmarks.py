@@ -44,17 +44,26 @@ def _number(cell: str) -> float:
 
 
 def read_results(markdown: str) -> list[BenchmarkRow]:
-    """The rows of the table under '## Results' (an empty list when it has none yet)."""
+    """The rows of the results table under '## Results': the first table there whose header has the result columns
+    (smaller tables in the prose before it, e.g. profile summaries, are skipped)."""
     if "## Results" not in markdown:
         raise ValueError("no '## Results' section in the benchmark table")
     lines = [line.strip() for line in markdown.split("## Results", 1)[1].splitlines()]
-    table = [line for line in lines if line.startswith("|")]
-    if len(table) < 2:
+    tables, current = [], []
+    for line in lines + [""]:
+        if line.startswith("|"):
+            current.append(line)
+        elif current:
+            tables.append(current)
+            current = []
+    if not tables or all(len(t) < 2 for t in tables):
         raise ValueError("the '## Results' section has no table")
-    header = [cell.strip() for cell in table[0].strip("|").split("|")]
-    missing = [column for column in COLUMNS if column not in header]
-    if missing:
+    headers = [[cell.strip() for cell in t[0].strip("|").split("|")] for t in tables]
+    found = [i for i, header in enumerate(headers) if all(column in header for column in COLUMNS)]
+    if not found:
+        missing = [column for column in COLUMNS if column not in headers[-1]]
         raise ValueError(f"the results table lacks columns {missing}")
+    table, header = tables[found[0]], headers[found[0]]
     rows = []
     for line in table[2:]:  # after the header and its |---| separator
         cells = [cell.strip() for cell in line.strip("|").split("|")]

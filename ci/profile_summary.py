@@ -27,7 +27,7 @@ KERNEL_GROUPS: tuple[tuple[str, re.Pattern], ...] = tuple(
     (name, re.compile(pattern, re.IGNORECASE))
     for name, pattern in (
         ("communication (NCCL)", r"nccl"),
-        ("attention", r"fmha|flash|attn|sdpa|fused_attn|cudnn_generated"),
+        ("attention", r"fmha|flash|attn|sdpa|fused_attn|cudnn_generated|cudnn::fusion"),  # + cuDNN's bwd helpers
         ("RoPE", r"rope|rotary"),
         ("norm (LayerNorm/RMSNorm)", r"layer_?norm|rms_?norm|ln_fwd|ln_bwd|norm_fwd|norm_bwd"),
         ("FP8 quantise/transpose/amax", r"cast_transpose|quantize|amax|fp8|scale_inv|cast_fp|transpose_dbias"),

@@ -61,3 +61,9 @@ def test_the_committed_chart_is_current():
     docs = REPO_ROOT / "docs"
     expected = plot_benchmarks.render_svg(plot_benchmarks.read_results((docs / "benchmarks.md").read_text()))
     assert (docs / "benchmarks.svg").read_text() == expected
+
+
+def test_smaller_tables_in_the_prose_before_the_results_table_are_skipped():
+    prose = "## Results\n\nA profile:\n\n| kernel group | ms/step |\n|---|---|\n| GEMM | 90.3 |\n\nThe runs:\n\n"
+    rows = plot_benchmarks.read_results(prose + HEADER + ROW_A)
+    assert [(r.model, r.tokens_per_second_per_gpu) for r in rows] == [("esm2_650M", 95854.0)]

@@ -66,6 +66,7 @@ def test_groups_busy_time_and_per_step_means():
             "elementwise/reduce (torch)",
         ),
         ("void at::native::(anonymous namespace)::cunn_SoftMaxForward", "cross-entropy"),
+        ("void cudnn::fusion::compute_dot_do_o_ragged_specialized<true, 64>", "attention"),
         ("something_new", "other"),
     ],
 )
