@@ -143,7 +143,8 @@ def use_gemm_epilogue_gelu(layers: nn.ModuleList) -> None:
     and dGELU + bias grad after the fc2 dgrad GEMM, as torch.compile'd elementwise kernels that each read and write
     the whole [tokens, ffn] activation. The GEMM epilogues compute the same tanh-approximated GELU while the output
     is still on chip. ESM-2 650M, one H100, 48k tokens per step: 34 ms less elementwise work, 23 ms more GEMM time,
-    1.6% more tokens/s, losses equal to the fourth decimal (docs/benchmarks.md). FP8 layers use neither path.
+    1.3-1.6% more tokens/s in two comparisons, losses equal to the fourth decimal (docs/benchmarks.md). FP8 layers
+    use neither path.
     Setting ``NVTE_BIAS_GELU_NVFUSION`` in the environment leaves TE's own choice in place (to compare the two).
     """
     if "NVTE_BIAS_GELU_NVFUSION" in os.environ:
