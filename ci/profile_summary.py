@@ -59,8 +59,7 @@ class StepProfile:
     kernels: int
     group_us: dict[str, float] = field(default_factory=dict)
     group_count: dict[str, int] = field(default_factory=dict)
-    top_other: list[tuple[str, float]] = field(default_factory=list)
-    # Every kernel name's time per step, by group: what `--kernels K` lists.
+    # Every kernel name's time per step, by group: the largest are listed for 'other' and with `--kernels K`.
     kernel_us: dict[str, dict[str, float]] = field(default_factory=dict)
 
 
@@ -112,9 +111,12 @@ def summarise(trace: dict, steps: int) -> StepProfile:
         kernels=round(len(gpu_events) / steps),
         group_us={g: t / steps for g, t in group_us.items()},
         group_count={g: round(c / steps) for g, c in group_count.items()},
-        top_other=sorted(((n, t / steps) for n, t in kernel_us.get(OTHER, {}).items()), key=lambda item: -item[1])[:5],
         kernel_us={g: {n: t / steps for n, t in names.items()} for g, names in kernel_us.items()},
     )
+
+
+def _largest(profile: StepProfile, group: str, count: int) -> list[tuple[str, float]]:
+    return sorted(profile.kernel_us.get(group, {}).items(), key=lambda item: -item[1])[:count]
 
 
 def render(profile: StepProfile, title: str = "", kernels_per_group: int = 0) -> str:
@@ -135,15 +137,14 @@ def render(profile: StepProfile, title: str = "", kernels_per_group: int = 0) ->
         lines.append(
             f"| {group} | {us * ms:.1f} | {100 * us / profile.busy_us:.0f}% | {profile.group_count[group]:,} |"
         )
-    if profile.top_other:
+    top_other = _largest(profile, OTHER, 5)
+    if top_other:
         lines.append("")
-        lines.append(
-            "Largest kernels in 'other': " + "; ".join(f"{n[:80]} {t * ms:.1f} ms" for n, t in profile.top_other)
-        )
+        lines.append("Largest kernels in 'other': " + "; ".join(f"{n[:80]} {t * ms:.1f} ms" for n, t in top_other))
     if kernels_per_group > 0:
         lines.append("")
         for group, _group_us in sorted(profile.group_us.items(), key=lambda item: -item[1]):
-            largest = sorted(profile.kernel_us[group].items(), key=lambda item: -item[1])[:kernels_per_group]
+            largest = _largest(profile, group, kernels_per_group)
             lines.append(f"- {group}: " + "; ".join(f"{n[:100]} {t * ms:.2f} ms" for n, t in largest))
     return "\n".join(lines)
 

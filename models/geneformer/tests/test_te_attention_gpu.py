@@ -1,6 +1,6 @@
 """Geneformer's TE layers take attention's query, key and value as views of the QKV projection (te_attention.py, a
 speed-up: no zero-filled gradient copies). On the GPU that must train exactly like TE's own packed-QKV path. The
-split itself is tested on CPU in models/vit/tests/test_te_attention.py."""
+split itself is tested on CPU in tests/test_te_attention.py."""
 
 import pytest
 import torch
