@@ -58,6 +58,14 @@ def main(cfg: DictConfig) -> None:
 
     tokenizer = load_tokenizer(cfg)  # the model family's, with tokenizer_path: auto
     built = build_model(cfg, fp8_config, args.device)
+    if args.gradient_checkpointing:  # the Trainer calls the model's gradient_checkpointing_enable()
+        logger.info("Activations recomputed in backward: every layer (training_args.gradient_checkpointing)")
+    elif getattr(built.config, "recompute_layers", 0):
+        logger.info(
+            "Activations recomputed in backward: the first %d of %d layers (recompute_layers)",
+            built.config.recompute_layers,
+            built.config.num_hidden_layers,
+        )
     data_cfg = OmegaConf.to_container(cfg.dataset)
     if fp8_config["enabled"] and not data_cfg["pad_to_multiple_of"]:
         data_cfg["pad_to_multiple_of"] = 16  # FP8 GEMMs need token counts that are multiples of 16

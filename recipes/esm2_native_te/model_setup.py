@@ -138,7 +138,7 @@ def build_model(
     if quant_stats is not None:
         quant_stats.watch(model)
     model_flops = ModelFlops.from_model(model, config.num_hidden_layers, config.hidden_size)
-    logger.info("Model: %s backend, %.1fM parameters", model.backend, sum(p.numel() for p in model.parameters()) / 1e6)
+    log_model(model, config)
 
     if meshes is not None and meshes.cp is not None:
         # Every attention layer exchanges K/V blocks with the other ranks of this rank's CP group.
@@ -170,6 +170,18 @@ def build_model(
     return BuiltModel(model, train_model, config, plan, model_flops, strategy, ddp)
 
 
+def log_model(model: torch.nn.Module, config) -> None:
+    recompute = (
+        f", activations of {config.recompute_layers} of {config.num_hidden_layers} layers recomputed in backward"
+    )
+    logger.info(
+        "Model: %s backend, %.1fM parameters%s",
+        model.backend,
+        sum(p.numel() for p in model.parameters()) / 1e6,
+        recompute if config.recompute_layers else "",
+    )
+
+
 def _build_megatron_fsdp(cfg, device, meshes, family: ModelFamily, config, plan, quant_stats) -> BuiltModel:
     """Megatron-FSDP: the model built whole on this GPU, then sharded together with its optimizer.
 
@@ -187,7 +199,7 @@ def _build_megatron_fsdp(cfg, device, meshes, family: ModelFamily, config, plan,
     if quant_stats is not None:
         quant_stats.watch(model)
     model_flops = ModelFlops.from_model(model, config.num_hidden_layers, config.hidden_size)
-    logger.info("Model: %s backend, %.1fM parameters", model.backend, sum(p.numel() for p in model.parameters()) / 1e6)
+    log_model(model, config)
 
     # Each transformer layer is one FSDP unit; the optimizer's parameter groups are rebuilt over the shards.
     optimizer = torch.optim.AdamW(model.parameters(), **cfg.adamw_kwargs, fused=True)

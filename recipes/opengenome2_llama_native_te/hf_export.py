@@ -7,7 +7,8 @@ path made it:
 
 - ``config.json`` with ``auto_map`` (the modeling file's ``AUTO_MAP``), ``architectures``, ``backend: auto`` (TE on a
   CUDA machine that has it, pure PyTorch elsewhere) and ``layer_precision: null`` (no FP8/FP4 layers: a training
-  run's precision plan is not the loader's business, and the torch backend refuses it);
+  run's precision plan is not the loader's business, and the torch backend refuses it), ``recompute_layers: 0`` where
+  the model has activation recompute;
 - ``model.safetensors`` without TE's ``_extra_state`` (FP8 bookkeeping is runtime state, not weights), with a tied
   weight written once even when it was gathered from several ranks as two equal tensors;
 - the modeling file that defines the model's class and the support files it imports from beside it;
@@ -31,8 +32,14 @@ import torch
 logger = logging.getLogger(__name__)
 
 # Files a modeling file imports from beside it; an export ships those of them that sit beside it (te_attention.py
-# belongs to the models whose TE layers take no rotary embeddings).
-MODELING_SUPPORT_FILES = ("torch_layers.py", "packing.py", "meta_init.py", "te_attention.py")
+# belongs to the models whose TE layers take no rotary embeddings, activation_recompute.py to ESM-2 and AMPLIFY).
+MODELING_SUPPORT_FILES = (
+    "torch_layers.py",
+    "packing.py",
+    "meta_init.py",
+    "te_attention.py",
+    "activation_recompute.py",
+)
 
 
 def tied_parameter_names(model: torch.nn.Module) -> dict[str, str]:
@@ -98,6 +105,8 @@ def write_hf_directory(
             weights[alias] = weights[owner]
 
     exported = {"auto_map": auto_map, "architectures": [architecture], "layer_precision": None, "backend": "auto"}
+    if hasattr(model.config, "recompute_layers"):
+        exported["recompute_layers"] = 0  # a memory setting of the training run, like its precision plan
     saved = {key: getattr(model.config, key, None) for key in exported}
     output_dir.parent.mkdir(parents=True, exist_ok=True)
     previous = output_dir.with_name(f".{output_dir.name}.previous")

@@ -25,8 +25,8 @@ Inputs come as BSHD (``input_ids`` [batch, seq] + ``attention_mask``) or THD (pa
 ``cu_seq_lens_q/k`` and ``max_length_q/k``). The encoder always runs on packed tokens: BSHD input is unpadded on the
 way in and re-padded on the way out, so no compute is spent on padding and no token attends across a sequence.
 
-This file is self-contained apart from ``torch_layers.py``, ``packing.py`` and ``meta_init.py`` beside it, so the four
-can be copied into a recipe and shipped inside an exported checkpoint (``trust_remote_code=True``).
+This file is self-contained apart from ``torch_layers.py``, ``packing.py``, ``meta_init.py`` and
+``activation_recompute.py`` beside it, so the five can be copied into a recipe and shipped inside an exported checkpoint (``trust_remote_code=True``).
 """
 
 import contextlib
@@ -39,10 +39,12 @@ from transformers.modeling_outputs import BaseModelOutput, MaskedLMOutput
 
 
 try:  # package import (models/amplify, exported checkpoints)
+    from .activation_recompute import call_layer, recomputes, validate_recompute_layers
     from .meta_init import materialize_meta_model
     from .packing import PackedBatch, pack_inputs, token_mean_loss
     from .torch_layers import TransformerLayer as TorchTransformerLayer
 except ImportError:  # flat copy inside a recipe folder
+    from activation_recompute import call_layer, recomputes, validate_recompute_layers
     from meta_init import materialize_meta_model
     from packing import PackedBatch, pack_inputs, token_mean_loss
     from torch_layers import TransformerLayer as TorchTransformerLayer
@@ -119,6 +121,9 @@ class NVAmplifyConfig(PreTrainedConfig):
     padded_vocab_size: int | None = None
     # One entry per layer: None (bf16/fp32), "fp8" or "fp4"; the matching TE recipe is passed to the model.
     layer_precision: list | None = None
+    # Layers, from the first, whose activations backward recomputes instead of keeping (activation_recompute.py):
+    # each saves its activation memory for about a third more of its compute. Training only; 0 keeps everything.
+    recompute_layers: int = 0
     # Derived, not a setting: the standard deviation of the linear init, decoder_init_range / sqrt(3) (a uniform
     # draw on [-r, r] has std r / sqrt(3)). The project's shared init checks read it.
     initializer_range: float | None = None
@@ -165,6 +170,7 @@ class NVAmplifyConfig(PreTrainedConfig):
             bad = sorted({str(p) for p in self.layer_precision if p not in LAYER_PRECISIONS})
             if bad:
                 problems.append(f"layer_precision entries must be None, 'fp8' or 'fp4', got {bad}")
+        problems += validate_recompute_layers(self.recompute_layers, self.num_hidden_layers)
         if problems:
             raise ValueError("Invalid NVAmplifyConfig: " + "; ".join(problems))
 
@@ -259,6 +265,8 @@ class NVAmplifyPreTrainedModel(PreTrainedModel):
     config: NVAmplifyConfig
     base_model_prefix = "amplify"
     _no_split_modules = ["TransformerLayer"]
+    # gradient_checkpointing_enable() recomputes every layer's activations (see config.recompute_layers).
+    supports_gradient_checkpointing = True
     # TE keeps FP8 scaling state in `_extra_state`; it is runtime bookkeeping, not part of a published model.
     _keys_to_ignore_on_load_missing = [r"_extra_state"]
     _keys_to_ignore_on_load_unexpected = [r"_extra_state"]
@@ -310,6 +318,7 @@ class NVAmplifyModel(NVAmplifyPreTrainedModel):
         )
         self.layer_precision = list(config.layer_precision or [None] * config.num_hidden_layers)
         self.cp_group = None
+        self.gradient_checkpointing = False  # set by Hugging Face's gradient_checkpointing_enable()
         self._recipes = {"fp8": fp8_recipe, "fp4": fp4_recipe}
         for precision in set(self.layer_precision) - {None}:
             if self._recipes[precision] is None:
@@ -352,7 +361,9 @@ class NVAmplifyModel(NVAmplifyPreTrainedModel):
             if output_hidden_states:
                 all_hidden.append(hidden)
             with self._precision_context(index):
-                hidden = layer(hidden, rotary_pos_emb=rotary, **packed.layer_boundaries())
+                hidden = call_layer(
+                    layer, hidden, recomputes(self, index), rotary_pos_emb=rotary, **packed.layer_boundaries()
+                )
         if self.final_norm is not None:
             hidden = self.final_norm(hidden)
         if output_hidden_states:

@@ -15,7 +15,9 @@ from model_contract import (
     export_stock_model,
     is_tied,
     layout,
+    supports_recompute,
     torchrun,
+    train_step_counting_layer_calls,
     transformer_layers,
 )
 from transformers import PretrainedConfig, PreTrainedModel
@@ -214,6 +216,51 @@ def test_sharded_meta_init_with_te_two_gpus(contract):
     result = torchrun("fsdp2_meta_init.py", "te", contract.name)
     assert result.returncode == 0, result.stderr[-3000:]
     assert "STATS-OK" in result.stdout
+
+
+@pytest.mark.requires_gpu
+@pytest.mark.requires_te
+@pytest.mark.parametrize(
+    "recipe_name",
+    [
+        None,
+        pytest.param("DelayedScaling", marks=pytest.mark.requires_fp8),
+        pytest.param("Float8BlockScaling", marks=pytest.mark.requires_fp8),
+    ],
+)
+def test_activation_recompute_with_te_trains_like_keeping_activations(contract, recipe_name):
+    """TE layers recomputed through ``te.distributed.checkpoint`` (bf16, and FP8 where the GPU has it): two steps
+    give the plain run's losses (the same forward kernels) and its gradients up to the backward kernels' own run-to-run
+    differences, with less peak memory. Two steps, so that delayed scaling's second step reads an amax history that
+    the recompute must not have updated twice."""
+    if not supports_recompute(contract):
+        pytest.skip(f"{contract.name} has no activation recompute")
+    _, bf16_model = torch_and_te_models(contract, contract.te_hf_model())
+    layers = bf16_model.config.num_hidden_layers
+    config = type(bf16_model.config)(
+        **{**bf16_model.config.to_dict(), "layer_precision": ["fp8"] * layers if recipe_name else None}
+    )
+    batch = cuda(layout(contract, [256] * 16, "thd"))  # 4096 tokens: activations outweigh this small model
+    runs = {}
+    for recompute_layers in (0, layers):
+        fp8_recipe = _fp8_recipes()[recipe_name] if recipe_name else None
+        model = contract.nv_class(config, fp8_recipe=fp8_recipe).to("cuda", torch.bfloat16).train()
+        model.load_state_dict(bf16_model.state_dict())
+        model.config.recompute_layers = recompute_layers
+        steps = []
+        for _ in range(2):
+            torch.cuda.synchronize()
+            torch.cuda.reset_peak_memory_stats()
+            before = torch.cuda.memory_allocated()
+            loss, grads, calls = train_step_counting_layer_calls(model, batch)
+            steps.append((loss, grads, torch.cuda.max_memory_allocated() - before))
+        assert calls == [2 if recompute_layers else 1] * layers
+        runs[recompute_layers] = steps
+    for (plain_loss, plain_grads, plain_peak), (loss, grads, peak) in zip(runs[0], runs[layers], strict=True):
+        assert torch.equal(loss, plain_loss), (loss.item(), plain_loss.item())
+        for name, grad in plain_grads.items():
+            assert relative_error(grads[name], grad) < 1e-2, name
+        assert peak < 0.75 * plain_peak, (peak, plain_peak)
 
 
 __all__ = [name for name in list(globals()) if name.startswith("test_")]

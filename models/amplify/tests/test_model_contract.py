@@ -48,7 +48,13 @@ CONTRACTS = {
         make_batch=make_batch,
         init_config=init_config,
         tokenizer_texts=("MKTAYIAKQRQISFVK", "MSEQ"),
-        modeling_files=("modeling_amplify_te.py", "torch_layers.py", "packing.py", "meta_init.py"),
+        modeling_files=(
+            "modeling_amplify_te.py",
+            "torch_layers.py",
+            "packing.py",
+            "meta_init.py",
+            "activation_recompute.py",
+        ),
         te_hf_model=partial(reference_model, {**shape_of("AMPLIFY_120M"), "num_hidden_layers": 4}),
         te_checked_gradients=(
             "amplify.embeddings.weight",

@@ -50,7 +50,13 @@ CONTRACTS = {
         make_batch=batch,
         init_config=init_config,
         tokenizer_texts=("MKTAYIAKQRQISFVK", "MSEQ"),
-        modeling_files=("modeling_esm_te.py", "torch_layers.py", "packing.py", "meta_init.py"),
+        modeling_files=(
+            "modeling_esm_te.py",
+            "torch_layers.py",
+            "packing.py",
+            "meta_init.py",
+            "activation_recompute.py",
+        ),
         te_hf_model=partial(stock_model, shape_of("esm2_t6_8M_UR50D")),
         te_checked_gradients=(
             "esm.embeddings.word_embeddings.weight",

@@ -257,9 +257,14 @@ def test_export_drops_a_training_precision_plan_and_keeps_the_callers_config(con
     nv_model = contract.hf_to_nv(contract.hf_model(), backend="torch")
     plan = ["fp8"] * nv_model.config.num_hidden_layers  # set after construction: the torch backend refuses to build it
     nv_model.config.layer_precision = plan
+    if supports_recompute(contract):  # a memory setting of the run: the export does not keep it either
+        nv_model.config.recompute_layers = 1
     out = contract.save_nv(nv_model, tmp_path / "exported")
-    assert json.loads((Path(out) / "config.json").read_text())["layer_precision"] is None
+    exported_config = json.loads((Path(out) / "config.json").read_text())
+    assert exported_config["layer_precision"] is None
+    assert exported_config.get("recompute_layers", 0) == 0
     assert nv_model.config.layer_precision == plan and nv_model.config.backend == "torch"
+    assert nv_model.config.to_dict().get("recompute_layers", 1) == 1
     reloaded = contract.auto_class.from_pretrained(out, trust_remote_code=True, backend="torch")
     assert reloaded.config.layer_precision is None
 
@@ -454,17 +459,100 @@ def test_sharded_meta_init_on_cpu_two_processes(contract):
     assert "STATS-OK" in result.stdout
 
 
+# ----------------------------------------------------------------------------------------- activation recompute
+
+
+def supports_recompute(contract: ModelContract) -> bool:
+    return "recompute_layers" in contract.init_config().to_dict()
+
+
+def train_step_counting_layer_calls(model: PreTrainedModel, batch: Batch, seed: int = 0):
+    """One forward + backward: (loss, {name: gradient}, how often each transformer layer ran)."""
+    calls = [0] * len(transformer_layers(model))
+    # Pre-hooks: a recompute may stop as soon as it has what backward needs, before the layer's forward returns.
+    hooks = [
+        layer.register_forward_pre_hook(lambda *_, index=index: calls.__setitem__(index, calls[index] + 1))
+        for index, layer in enumerate(transformer_layers(model))
+    ]
+    model.zero_grad()
+    torch.manual_seed(seed)  # the same dropout masks in every run
+    loss = model(**batch).loss
+    loss.backward()
+    for hook in hooks:
+        hook.remove()
+    return loss.detach(), {n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None}, calls
+
+
+def test_activation_recompute_gives_the_same_loss_and_gradients(contract):
+    """``config.recompute_layers`` (the first N layers) and HF's ``gradient_checkpointing_enable()`` (all layers):
+    those layers run again in backward, and the loss and every gradient equal a plain step's bit for bit (the same
+    float32 math on CPU; dropout, where the model has any, draws the same masks in the recompute)."""
+    if not supports_recompute(contract):
+        pytest.skip(f"{contract.name} has no activation recompute")
+    model = torch_model(contract).train()
+    layers = len(transformer_layers(model))
+    batch = contract.make_batch([30, 17])
+    plain_loss, plain_grads, calls = train_step_counting_layer_calls(model, batch)
+    assert calls == [1] * layers
+    for recompute_layers in (1, layers):
+        model.config.recompute_layers = recompute_layers
+        loss, grads, calls = train_step_counting_layer_calls(model, batch)
+        assert calls == [2] * recompute_layers + [1] * (layers - recompute_layers)
+        assert torch.equal(loss, plain_loss)
+        assert grads.keys() == plain_grads.keys()
+        for name, grad in grads.items():
+            assert torch.equal(grad, plain_grads[name]), (recompute_layers, name)
+    model.config.recompute_layers = 0
+    model.gradient_checkpointing_enable()
+    try:
+        loss, grads, calls = train_step_counting_layer_calls(model, batch)
+    finally:
+        model.gradient_checkpointing_disable()
+    assert calls == [2] * layers and torch.equal(loss, plain_loss)
+    assert all(torch.equal(grads[name], grad) for name, grad in plain_grads.items())
+
+
+def test_activation_recompute_is_off_outside_training(contract):
+    """Inference (eval mode, or no autograd) keeps no activations for backward: nothing to recompute."""
+    if not supports_recompute(contract):
+        pytest.skip(f"{contract.name} has no activation recompute")
+    model = torch_model(contract)
+    model.config.recompute_layers = len(transformer_layers(model))
+    batch = contract.make_batch([12, 9])
+    calls = [0]
+    for layer in transformer_layers(model):
+        layer.register_forward_pre_hook(lambda *_: calls.__setitem__(0, calls[0] + 1))
+    model.eval()(**batch).loss.backward()
+    with torch.no_grad():
+        model.train()(**batch)
+    assert calls == [2 * len(transformer_layers(model))]
+
+
 # ------------------------------------------------------------------------------------ backends and bad input
 
 
-@pytest.mark.parametrize("setting", ["backend", "layer_precision_length", "layer_precision_value", "padded_vocab"])
+@pytest.mark.parametrize(
+    "setting",
+    [
+        "backend",
+        "layer_precision_length",
+        "layer_precision_value",
+        "padded_vocab",
+        "recompute_layers",
+        "recompute_neg",
+    ],
+)
 def test_bad_config_values_are_named(contract, setting):
     layers = contract.init_config().num_hidden_layers
+    if setting.startswith("recompute") and not supports_recompute(contract):
+        pytest.skip(f"{contract.name} has no activation recompute")
     overrides, message = {
         "backend": ({"backend": "tensorrt"}, "backend must be one of"),
         "layer_precision_length": ({"layer_precision": ["fp8"]}, f"layer_precision has 1 entries for {layers} layers"),
         "layer_precision_value": ({"layer_precision": ["fp8", "int4"] + [None] * (layers - 2)}, "int4"),
         "padded_vocab": ({"padded_vocab_size": 16}, "padded_vocab_size"),
+        "recompute_layers": ({"recompute_layers": layers + 1}, rf"from 0 to num_hidden_layers \({layers}\)"),
+        "recompute_neg": ({"recompute_layers": -1}, "recompute_layers must be an integer"),
     }[setting]
     with pytest.raises(ValueError, match=message):
         contract.init_config(**overrides)

@@ -72,6 +72,19 @@ def test_resume_is_exact(tmp_path):
         assert resumed_norm == pytest.approx(norm, rel=1e-5), step
 
 
+def test_the_trainers_gradient_checkpointing_recomputes_and_trains_the_same(tmp_path):
+    """``+training_args.gradient_checkpointing=true`` (the Trainer calls the model's ``gradient_checkpointing_enable``:
+    every layer recomputed in backward) gives the same losses and gradient norms as keeping the activations."""
+    common = [TINY_ESM2, *FAST, "num_train_steps=5", "logger.log_every=1", "export_final_model=false"]
+    accelerate_launch("cpu.yaml", f"output_dir={tmp_path / 'plain'}", *common)
+    result = accelerate_launch(
+        "cpu.yaml", f"output_dir={tmp_path / 'recompute'}", *common, "+training_args.gradient_checkpointing=true"
+    )
+    assert "recomputed in backward: every layer" in result.stdout + result.stderr
+    plain = [(m["loss"], m["grad_norm"]) for m in read_metrics(tmp_path / "plain")]
+    assert [(m["loss"], m["grad_norm"]) for m in read_metrics(tmp_path / "recompute")] == plain
+
+
 def test_export_loads_offline_and_holds_the_trained_weights(tmp_path):
     """final_model loads with AutoModelForMaskedLM (trust_remote_code, no network) and holds the weights of the
     last checkpoint, which the Trainer wrote with its own save_pretrained."""

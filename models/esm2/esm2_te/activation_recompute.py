@@ -1,0 +1,45 @@
+# Copied from common/activation_recompute.py — edit the source, then run ci/check_copies.py --fix
+"""Activation recompute: run a transformer layer so that backward recomputes its activations instead of keeping them.
+
+A layer run this way keeps only its input for backward; its backward first runs the layer's forward again. That costs
+about one more forward of the layer (~1/3 of its forward + backward) and frees everything else the layer would have
+kept: attention inputs and outputs, the MLP's [tokens, ffn] activations, norms. Models recompute the first
+``config.recompute_layers`` layers, or every layer after Hugging Face's ``model.gradient_checkpointing_enable()``.
+
+TransformerEngine layers go through ``te.distributed.checkpoint``, which replays the forward under the same FP8
+autocast and keeps delayed-scaling amax histories from being updated twice; other layers through
+``torch.utils.checkpoint``. Both run non-reentrant: recompute starts when backward first needs a tensor the layer did
+not keep, which also composes with FSDP2 (its pre-backward hook has already gathered the layer's weights by then).
+Dropout masks are reproduced (both save and restore the RNG state), so the gradients equal those of a plain run.
+"""
+
+import torch
+import torch.utils.checkpoint
+
+
+def call_layer(layer: torch.nn.Module, hidden: torch.Tensor, recompute: bool, **kwargs) -> torch.Tensor:
+    """``layer(hidden, **kwargs)``, with its activations recomputed in backward when ``recompute`` is true."""
+    if not recompute:
+        return layer(hidden, **kwargs)
+    if type(layer).__module__.startswith("transformer_engine"):
+        import transformer_engine.pytorch as te  # only reachable where the layer itself is TE's
+
+        return te.distributed.checkpoint(layer, hidden, use_reentrant=False, **kwargs)
+    return torch.utils.checkpoint.checkpoint(layer, hidden, use_reentrant=False, **kwargs)
+
+
+def recomputes(model: torch.nn.Module, layer_index: int) -> bool:
+    """Whether ``model`` (with ``config.recompute_layers`` and HF's ``gradient_checkpointing`` flag) recomputes the
+    activations of layer ``layer_index`` in this forward: only while training with autograd on."""
+    if not (model.training and torch.is_grad_enabled()):
+        return False
+    return bool(getattr(model, "gradient_checkpointing", False)) or layer_index < model.config.recompute_layers
+
+
+def validate_recompute_layers(value, num_hidden_layers: int) -> list[str]:
+    """The problems with a config's ``recompute_layers`` (an int from 0 to the number of layers), for its validator."""
+    if isinstance(value, bool) or not isinstance(value, int) or not 0 <= value <= num_hidden_layers:
+        return [
+            f"recompute_layers must be an integer from 0 to num_hidden_layers ({num_hidden_layers}), got {value!r}"
+        ]
+    return []
