@@ -40,12 +40,12 @@ from transformers.modeling_outputs import BaseModelOutput, MaskedLMOutput
 
 
 try:  # package import (models/amplify, exported checkpoints)
-    from .activation_recompute import call_layer, recomputes, validate_recompute_layers
+    from .activation_recompute import call_layer, recomputes, refuse_delayed_scaling, validate_recompute_layers
     from .meta_init import materialize_meta_model
     from .packing import PackedBatch, pack_inputs, token_mean_loss
     from .torch_layers import TransformerLayer as TorchTransformerLayer
 except ImportError:  # flat copy inside a recipe folder
-    from activation_recompute import call_layer, recomputes, validate_recompute_layers
+    from activation_recompute import call_layer, recomputes, refuse_delayed_scaling, validate_recompute_layers
     from meta_init import materialize_meta_model
     from packing import PackedBatch, pack_inputs, token_mean_loss
     from torch_layers import TransformerLayer as TorchTransformerLayer
@@ -321,6 +321,7 @@ class NVAmplifyModel(NVAmplifyPreTrainedModel):
         self.cp_group = None
         self.gradient_checkpointing = False  # set by Hugging Face's gradient_checkpointing_enable()
         self._recipes = {"fp8": fp8_recipe, "fp4": fp4_recipe}
+        refuse_delayed_scaling(self)
         for precision in set(self.layer_precision) - {None}:
             if self._recipes[precision] is None:
                 raise ValueError(f"config.layer_precision asks for {precision} but no {precision}_recipe was passed")
@@ -356,6 +357,8 @@ class NVAmplifyModel(NVAmplifyPreTrainedModel):
         hidden = self.embeddings(packed.input_ids)
         if self.embedding_norm is not None:
             hidden = self.embedding_norm(hidden)
+        if self.training and torch.is_grad_enabled():
+            refuse_delayed_scaling(self)  # recompute can also be switched on after construction
         rotary = self.rotary_embeddings(packed.max_seqlen)
         all_hidden = []
         for index, layer in enumerate(self.layers):

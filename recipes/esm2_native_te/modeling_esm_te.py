@@ -31,12 +31,12 @@ from transformers.modeling_outputs import BaseModelOutput, MaskedLMOutput, Token
 
 
 try:  # package import (models/esm2, exported checkpoints)
-    from .activation_recompute import call_layer, recomputes, validate_recompute_layers
+    from .activation_recompute import call_layer, recomputes, refuse_delayed_scaling, validate_recompute_layers
     from .meta_init import materialize_meta_model
     from .packing import PackedBatch, pack_inputs, token_mean_loss
     from .torch_layers import TransformerLayer as TorchTransformerLayer
 except ImportError:  # flat copy inside a recipe folder
-    from activation_recompute import call_layer, recomputes, validate_recompute_layers
+    from activation_recompute import call_layer, recomputes, refuse_delayed_scaling, validate_recompute_layers
     from meta_init import materialize_meta_model
     from packing import PackedBatch, pack_inputs, token_mean_loss
     from torch_layers import TransformerLayer as TorchTransformerLayer
@@ -340,6 +340,7 @@ class NVEsmModel(NVEsmPreTrainedModel):
         self.cp_group = None
         self.gradient_checkpointing = False  # set by Hugging Face's gradient_checkpointing_enable()
         self._recipes = {"fp8": fp8_recipe, "fp4": fp4_recipe}
+        refuse_delayed_scaling(self)
         for precision in set(self.layer_precision) - {None}:
             if self._recipes[precision] is None:
                 raise ValueError(f"config.layer_precision asks for {precision} but no {precision}_recipe was passed")
@@ -373,6 +374,8 @@ class NVEsmModel(NVEsmPreTrainedModel):
     def forward_packed(self, packed: PackedBatch, output_hidden_states: bool = False):
         """Run the encoder on packed tokens: returns ([tokens, hidden], tuple of per-layer inputs or None)."""
         hidden = self.embeddings(packed)
+        if self.training and torch.is_grad_enabled():
+            refuse_delayed_scaling(self)  # recompute can also be switched on after construction
         rotary = self.encoder.rotary_embeddings(packed.max_seqlen)
         all_hidden = []
         for index, layer in enumerate(self.encoder.layers):

@@ -74,3 +74,23 @@ def test_keep_first_last_bf16_reaches_the_quantization_plan():
     cfg = _compose("L0_sanity", ["fp8_config.keep_first_last_bf16=1", "output_dir=unused"])
     with pytest.raises(ValueError, match="keep_first_last_bf16 is set but fp8_config.enabled is false"):
         load_model_config(cfg, cfg.fp8_config, cfg.fp4_config)
+
+
+def test_recomputed_fp8_layers_with_delayed_scaling_are_refused_by_name(monkeypatch):
+    """The plan is built with TE's recipe on a GPU machine; here a stand-in that answers ``delayed()`` like it."""
+    import model_families
+    from quantization import QuantizationPlan
+
+    class Delayed:
+        @classmethod
+        def delayed(cls) -> bool:
+            return True
+
+    plan = QuantizationPlan([None, "fp8", "fp8", "fp8", "fp8", None], fp8_recipe=Delayed())
+    monkeypatch.setattr(model_families, "build_quantization", lambda *args: plan)
+    overrides = ["fp8_config.enabled=true", "output_dir=unused"]
+    cfg = _compose("L0_sanity", [*overrides, "+model_config_overrides.recompute_layers=3"])
+    with pytest.raises(ValueError, match=r"FP8 layers \[2, 3\] would be recomputed .*Float8BlockScaling"):
+        model_families.load_model_config(cfg, cfg.fp8_config, cfg.fp4_config)
+    cfg = _compose("L0_sanity", [*overrides, "+model_config_overrides.recompute_layers=1"])  # layer 1 is bf16
+    assert model_families.load_model_config(cfg, cfg.fp8_config, cfg.fp4_config)[0].recompute_layers == 1
