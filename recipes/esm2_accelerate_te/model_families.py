@@ -213,6 +213,14 @@ def load_model_config(cfg: DictConfig, fp8_config, fp4_config) -> tuple[Pretrain
         )
     plan = build_quantization(fp8_config, fp4_config, config.num_hidden_layers)
     config.layer_precision = plan.layer_precision
+    if plan.fp8_recipe is not None and plan.fp8_recipe.delayed():  # activation_recompute.py says why
+        recomputed = [i + 1 for i, p in enumerate(plan.layer_precision) if p == "fp8" and i < config.recompute_layers]
+        if recomputed:
+            raise ConfigError(
+                f"FP8 layers {recomputed} would be recomputed in backward (model_config_overrides.recompute_layers="
+                f"{config.recompute_layers}), which FP8 DelayedScaling does not support yet: use "
+                "fp8_config.fp8_recipe=Float8BlockScaling or Float8CurrentScaling, or recompute fewer layers"
+            )
     try:
         family.validate(config)
     except ValueError as error:

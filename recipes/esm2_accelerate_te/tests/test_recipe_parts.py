@@ -2,6 +2,7 @@
 checkpoint bookkeeping, and the one-line refusals of what a launch cannot do."""
 
 import os
+from types import SimpleNamespace
 
 import pytest
 import torch
@@ -172,6 +173,25 @@ def test_launch_settings_come_from_accelerate_launch(monkeypatch):
 
 def test_no_fp8_unless_the_launch_asks_for_it():
     assert fp8_config_from_accelerate(_launch(), _compose())["enabled"] is False
+
+
+def test_fp8_delayed_scaling_with_gradient_checkpointing_is_refused(monkeypatch):
+    """accelerate's FP8 on Hopper is DelayedScaling, which the models do not recompute (activation_recompute.py)."""
+    import accelerate.utils
+
+    accelerate_defaults = {  # accelerate's own TERecipeKwargs needs TE installed
+        "use_mxfp8_block_scaling": False,
+        "margin": 0,
+        "amax_history_len": 1024,
+        "amax_compute_algo": "most_recent",
+        "override_linear_precision": (False, False, False),
+        "fp8_format": "HYBRID",
+    }
+    monkeypatch.setattr(accelerate.utils, "TERecipeKwargs", lambda: SimpleNamespace(**accelerate_defaults))
+    fp8 = _launch(precision="fp8")
+    assert fp8_config_from_accelerate(fp8, _compose())["fp8_recipe"] == "DelayedScaling"
+    with pytest.raises(ConfigError, match="gradient_checkpointing recomputes every layer"):
+        fp8_config_from_accelerate(fp8, _compose(overrides=["+training_args.gradient_checkpointing=true"]))
 
 
 # ------------------------------------------------------------------------------------------------ TrainingArguments
