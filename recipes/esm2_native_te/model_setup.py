@@ -23,7 +23,7 @@ from dataclasses import dataclass
 
 import torch
 import torch.distributed as dist
-from distributed import Meshes
+from distributed import Meshes, wrap_in_ddp
 from mixed_precision import computes_in_bf16, keeps_fp32_master_weights, mixed_precision_policy
 from model_families import (
     PRETRAINED_MISMATCH,
@@ -162,8 +162,7 @@ def build_model(
         # The same random init on every rank (same seed), and DDP broadcasts rank 0's weights anyway. The buffers
         # (rotary frequencies, contact-head weights) never change: no per-step broadcast.
         if dist.is_initialized():
-            device_ids = [device.index] if device.type == "cuda" else None
-            ddp = DistributedDataParallel(model, device_ids=device_ids, broadcast_buffers=False)
+            ddp = wrap_in_ddp(model, device)
         train_model = ddp or model
     if cfg.use_torch_compile:
         train_model = torch.compile(train_model)

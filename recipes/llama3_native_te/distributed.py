@@ -7,6 +7,7 @@ asks for one (FSDP2 needs a group even when alone), no process group exists and 
 ``torch.distributed``.
 """
 
+import inspect
 import logging
 import os
 import sys
@@ -15,6 +16,7 @@ from dataclasses import dataclass
 import torch
 import torch.distributed as dist
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
+from torch.nn.parallel import DistributedDataParallel
 from user_errors import ConfigError
 
 
@@ -118,6 +120,20 @@ def build_meshes(dist_config: DistributedConfig, device: torch.device, cp_size: 
         return Meshes(fsdp=mesh, dp=mesh)
     mesh = init_device_mesh(device.type, (dp_size, cp_size), mesh_dim_names=("dp", "cp"))
     return Meshes(fsdp=mesh["dp", "cp"]._flatten("dp_cp"), dp=mesh["dp"], cp=mesh["cp"])
+
+
+def wrap_in_ddp(model: torch.nn.Module, device: torch.device) -> DistributedDataParallel:
+    """``DistributedDataParallel`` over the default process group, without a buffer broadcast before every forward.
+
+    Every rank builds the same buffers (rotary tables and the like) and training never changes them, so DDP's per-step
+    broadcast would only cost time. torch 2.13 calls that ``forward_sync_buffers=False`` and warns on
+    ``broadcast_buffers`` (deprecated there); older torch knows only ``broadcast_buffers=False``. (Either way the buffers
+    are synced once at construction, like the weights: rank 0's copy.)
+    """
+    device_ids = [device.index] if device.type == "cuda" else None
+    if "forward_sync_buffers" in inspect.signature(DistributedDataParallel.__init__).parameters:
+        return DistributedDataParallel(model, device_ids=device_ids, forward_sync_buffers=False)
+    return DistributedDataParallel(model, device_ids=device_ids, broadcast_buffers=False)
 
 
 def cleanup_distributed() -> None:

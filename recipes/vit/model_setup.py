@@ -27,7 +27,7 @@ from dataclasses import dataclass
 import torch
 import torch.distributed as dist
 from convert import convert_vit_hf_to_te, nv_config_from_hf
-from distributed import Meshes
+from distributed import Meshes, wrap_in_ddp
 from mixed_precision import computes_in_bf16, keeps_fp32_master_weights, mixed_precision_policy
 from modeling_vit_te import NVViTConfig, NVViTForImageClassification, resolve_backend, tensor_parallel_shard
 from omegaconf import DictConfig, OmegaConf
@@ -281,8 +281,7 @@ def build_model(
     else:
         # The same random init on every rank (same seed), and DDP broadcasts rank 0's weights anyway.
         if dist.is_initialized():
-            device_ids = [device.index] if device.type == "cuda" else None
-            ddp = DistributedDataParallel(model, device_ids=device_ids, broadcast_buffers=False)
+            ddp = wrap_in_ddp(model, device)
         train_model = ddp or model
     if cfg.use_torch_compile:
         train_model = torch.compile(train_model)

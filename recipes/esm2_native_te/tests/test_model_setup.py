@@ -7,6 +7,7 @@ sharded layer sees exactly what reaches it. The control case swaps in a policy t
 that the same probe then sees bf16, so the probe can fail.
 """
 
+import warnings
 from pathlib import Path
 
 import model_setup
@@ -92,8 +93,11 @@ def test_bf16_weights_without_fp32_master_weights(one_process_group):
 
 
 def test_ddp_wraps_the_model_when_a_process_group_exists(one_process_group):
-    built = build_model(bf16_cfg(), torch.device("cpu"), None, strategy="ddp")
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", FutureWarning)  # torch 2.13 deprecates DDP's broadcast_buffers
+        built = build_model(bf16_cfg(), torch.device("cpu"), None, strategy="ddp")
     assert isinstance(built.train_model, DistributedDataParallel) and built.train_model.module is built.model
+    assert not built.train_model.will_sync_module_buffers()  # the rotary tables never change: no per-step broadcast
     assert built.config.num_hidden_layers == 2 and built.plan.layer_precision is None
     assert built.model_flops is not None
 
