@@ -19,6 +19,7 @@ from hydra import compose, initialize_config_dir
 from model_setup import build_model
 from torch.distributed.fsdp import FSDPModule, MixedPrecisionPolicy
 from torch.nn.parallel import DistributedDataParallel
+from user_errors import ConfigError
 
 
 CONFIG_DIR = Path(__file__).resolve().parent.parent / "hydra_config"
@@ -105,3 +106,10 @@ def test_ddp_wraps_the_model_when_a_process_group_exists(one_process_group):
 def test_unknown_strategy_fails():
     with pytest.raises(ValueError, match="strategy must be one of"):
         build_model(bf16_cfg(), torch.device("cpu"), None, strategy="zero3")
+
+
+def test_activation_recompute_is_refused_with_megatron_fsdp():
+    """Not yet tested with Megatron-FSDP's hooks: a clear error before anything is built (CPU: before its import)."""
+    cfg = bf16_cfg("+model_config_overrides.recompute_layers=1")
+    with pytest.raises(ConfigError, match="recompute_layers is not supported with Megatron-FSDP"):
+        build_model(cfg, torch.device("cpu"), None, strategy="mfsdp")

@@ -217,10 +217,14 @@ def test_grad_accumulation_equals_one_larger_batch(tmp_path, script):
         torch.testing.assert_close(value, expected[key], rtol=1e-5, atol=1e-6, msg=key)
 
 
-@pytest.mark.parametrize("script", ["train_ddp.py", "train_fsdp2.py"])
-def test_activation_recompute_trains_exactly_like_keeping_activations(tmp_path, script):
-    """``model_config_overrides.recompute_layers`` under DDP and FSDP2 (two ranks, the recompute re-entering the
-    FSDP2-sharded layer in backward): the same losses and gradient norms, step by step, bit for bit."""
+@pytest.mark.parametrize(
+    ("script", "extra"),
+    [("train_ddp.py", []), ("train_fsdp2.py", []), ("train_cp.py", ["cp_size=2", "dataset.input_format=thd"])],
+)
+def test_activation_recompute_trains_exactly_like_keeping_activations(tmp_path, script, extra):
+    """``model_config_overrides.recompute_layers`` under DDP, FSDP2 (the recompute re-entering the sharded layer in
+    backward) and context parallelism (torch backend: all-gathered attention), two ranks each: the same losses and
+    gradient norms, step by step, bit for bit."""
     common = [
         *CONVERGE,
         "num_train_steps=6",
@@ -228,6 +232,7 @@ def test_activation_recompute_trains_exactly_like_keeping_activations(tmp_path, 
         "dataset.num_workers=0",
         "export_final_model=false",
     ]
+    common += extra
     plain = train(script, tmp_path / "plain", *common, nproc=2)
     recomputed = train(script, tmp_path / "recompute", *common, "+model_config_overrides.recompute_layers=2", nproc=2)
     assert [m["loss"] for m in recomputed] == [m["loss"] for m in plain]
