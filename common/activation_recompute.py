@@ -13,7 +13,9 @@ Dropout masks are reproduced (both save and restore the RNG state), so the gradi
 
 FP8 layers with delayed scaling are refused: on one H100 (TE 2.20, AMPLIFY test model, two steps) their recomputed
 run gave the plain run's losses but a layer-norm gradient more than 1% away from it, while bf16 and Float8BlockScaling
-layers matched. Until that is understood, recomputed layers use current or block scaling (or bf16).
+layers matched. The cause is not established: delayed scaling starts from a scale of 1, where small gradients fall
+into FP8's coarse subnormal range, so a repeated plain run might differ as much (not measured yet). Until a GPU run
+settles it, recomputed layers use current or block scaling (or bf16).
 """
 
 import torch
