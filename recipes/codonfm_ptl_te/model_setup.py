@@ -29,7 +29,12 @@ from modeling_codonfm_te import (
 )
 from omegaconf import DictConfig, OmegaConf
 from perf_logger import ModelFlops
-from quantization import QuantizationPlan, build_quantization, check_quantized_gemm_shapes
+from quantization import (
+    QuantizationPlan,
+    build_quantization,
+    check_quantized_gemm_shapes,
+    refuse_recomputed_delayed_scaling,
+)
 from recipe_paths import model_directory, recipe_path
 from safetensors.torch import load_file
 from torch.distributed.checkpoint.state_dict import StateDictOptions, set_model_state_dict
@@ -101,6 +106,7 @@ def load_model_config(cfg: DictConfig) -> tuple[NVEncodonConfig, QuantizationPla
             "TransformerEngine (see the Dockerfile) or set fp8_config.enabled=false"
         ) from None
     config.layer_precision = plan.layer_precision
+    refuse_recomputed_delayed_scaling(plan, config.recompute_layers)
     return config, plan
 
 
@@ -130,6 +136,10 @@ def build_model(config: NVEncodonConfig, plan: QuantizationPlan, pretraining: bo
         model = model_class(pretraining)(config, fp8_recipe=plan.fp8_recipe, fp4_recipe=plan.fp4_recipe)
     millions = sum(p.numel() for p in model.parameters()) / 1e6
     logger.info("Model: %s, %s backend, %.1fM parameters", type(model).__name__, model.backend, millions)
+    if config.recompute_layers:
+        logger.info(
+            "Activations of %d of %d layers recomputed in backward", config.recompute_layers, config.num_hidden_layers
+        )
     if plan.enabled:
         logger.info("FP8 layers (1-indexed): %s", [i + 1 for i, p in enumerate(plan.layer_precision) if p == "fp8"])
     return model

@@ -90,6 +90,12 @@ def build_strategy(cfg: DictConfig, accelerator: str, devices: Any, num_nodes: i
     name = cfg.strategy
     if name not in STRATEGIES:
         raise ConfigError(f"strategy={name}: choose one of {', '.join(STRATEGIES)}")
+    if name == "fsdp" and OmegaConf.select(cfg, "model_config_overrides.recompute_layers", default=0):
+        # FSDP1 wraps each layer in its own module; checkpointing around that wrapper has not been tested here.
+        raise ConfigError(
+            "model_config_overrides.recompute_layers is not supported with strategy=fsdp (FSDP1) yet: use "
+            "strategy=fsdp2 or strategy=ddp for activation recompute"
+        )
     if name == "fsdp":
         if accelerator == "cpu" or not torch.cuda.is_available():
             raise UnsupportedHardwareError(

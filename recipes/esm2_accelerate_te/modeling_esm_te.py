@@ -383,7 +383,7 @@ class NVEsmModel(NVEsmPreTrainedModel):
                 all_hidden.append(hidden)
             with self._precision_context(index):
                 hidden = call_layer(
-                    layer, hidden, recomputes(self, index), rotary_pos_emb=rotary, **packed.layer_boundaries()
+                    layer, recomputes(self, index), hidden, rotary_pos_emb=rotary, **packed.layer_boundaries()
                 )
         hidden = self.encoder.emb_layer_norm_after(hidden)
         if output_hidden_states:

@@ -23,7 +23,12 @@ from convert_amplify import convert_amplify_hf_to_te, load_published_checkpoint,
 from modeling_amplify_te import NVAmplifyConfig, NVAmplifyForMaskedLM
 from modeling_esm_te import NVEsmConfig, NVEsmForMaskedLM
 from omegaconf import DictConfig, OmegaConf
-from quantization import QuantizationPlan, build_quantization, check_quantized_gemm_shapes
+from quantization import (
+    QuantizationPlan,
+    build_quantization,
+    check_quantized_gemm_shapes,
+    refuse_recomputed_delayed_scaling,
+)
 from recipe_paths import looks_like_hub_id, model_directory, recipe_path, tokenizer_source
 from transformers import AutoTokenizer, EsmConfig, EsmForMaskedLM, PretrainedConfig, PreTrainedTokenizerBase
 from user_errors import ConfigError, PathNotFoundError
@@ -213,14 +218,7 @@ def load_model_config(cfg: DictConfig, fp8_config, fp4_config) -> tuple[Pretrain
         )
     plan = build_quantization(fp8_config, fp4_config, config.num_hidden_layers)
     config.layer_precision = plan.layer_precision
-    if plan.fp8_recipe is not None and plan.fp8_recipe.delayed():  # activation_recompute.py says why
-        recomputed = [i + 1 for i, p in enumerate(plan.layer_precision) if p == "fp8" and i < config.recompute_layers]
-        if recomputed:
-            raise ConfigError(
-                f"FP8 layers {recomputed} would be recomputed in backward (model_config_overrides.recompute_layers="
-                f"{config.recompute_layers}), which FP8 DelayedScaling does not support yet: use "
-                "fp8_config.fp8_recipe=Float8BlockScaling or Float8CurrentScaling, or recompute fewer layers"
-            )
+    refuse_recomputed_delayed_scaling(plan, config.recompute_layers)
     try:
         family.validate(config)
     except ValueError as error:

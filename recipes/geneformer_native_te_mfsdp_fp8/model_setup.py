@@ -36,6 +36,7 @@ from quantization import (
     build_quantization,
     check_quantization_supported,
     check_quantized_gemm_shapes,
+    refuse_recomputed_delayed_scaling,
 )
 from recipe_paths import looks_like_hub_id, model_directory, recipe_path, tokenizer_source
 from torch.distributed.checkpoint.state_dict import StateDictOptions, set_model_state_dict
@@ -109,6 +110,7 @@ def load_model_config(cfg: DictConfig) -> tuple[NVGeneformerConfig, Quantization
         check_quantized_gemm_shapes({"hidden_size": config.hidden_size, "intermediate_size": config.intermediate_size})
     plan = build_quantization(fp8_config, fp4_config, config.num_hidden_layers)
     config.layer_precision = plan.layer_precision
+    refuse_recomputed_delayed_scaling(plan, config.recompute_layers)
     return config, plan
 
 
@@ -217,6 +219,13 @@ def build_model(cfg: DictConfig, device: torch.device, meshes: Meshes | None, st
         resolve_backend(config.backend)  # backend=te on a machine without TE or a GPU fails here, in one line
     except RuntimeError as error:
         raise UnsupportedHardwareError(f"{error} (+model_config_overrides.backend=torch)") from None
+    if strategy == "mfsdp" and config.recompute_layers:
+        # Megatron-FSDP gathers and frees weights in its own module hooks; whether they hold while a layer is
+        # recomputed in backward has not been tested (FSDP2 and DDP have).
+        raise ConfigError(
+            "model_config_overrides.recompute_layers is not supported with Megatron-FSDP (train_mfsdp.py) yet: "
+            "use train_fsdp2.py or train_ddp.py for activation recompute"
+        )
     pretrained = load_pretrained_state_dict(cfg)
     if strategy == "mfsdp":
         return _build_megatron_fsdp(cfg, device, meshes, config, tokenizer, plan, pretrained)
@@ -292,4 +301,13 @@ def _build_megatron_fsdp(cfg, device, meshes, config, tokenizer, plan, pretraine
 
 def _log_model(model: NVGeneformerForMaskedLM) -> None:
     millions = sum(p.numel() for p in model.parameters()) / 1e6
-    logger.info("Model: Geneformer, %s backend, %.1fM parameters", model.backend, millions)
+    config = model.config
+    recompute = (
+        f", activations of {config.recompute_layers} of {config.num_hidden_layers} layers recomputed in backward"
+    )
+    logger.info(
+        "Model: Geneformer, %s backend, %.1fM parameters%s",
+        model.backend,
+        millions,
+        recompute if config.recompute_layers else "",
+    )

@@ -20,8 +20,9 @@ positions count from the first column) or THD (packed ``input_ids`` [1, tokens] 
 the way out, so no compute is spent on padding and no cell attends to another. Position embeddings restart at 0 for
 every packed cell.
 
-This file is self-contained apart from ``torch_layers.py``, ``packing.py`` and ``meta_init.py`` beside it, so the four
-can be copied into a recipe and shipped inside an exported checkpoint (``trust_remote_code=True``).
+This file is self-contained apart from ``torch_layers.py``, ``packing.py``, ``meta_init.py``, ``te_attention.py`` and
+``activation_recompute.py`` beside it, so the six can be copied into a recipe and shipped inside an exported checkpoint
+(``trust_remote_code=True``).
 """
 
 import contextlib
@@ -35,11 +36,13 @@ from transformers.modeling_outputs import BaseModelOutput, MaskedLMOutput
 
 
 try:  # package import (models/geneformer, exported checkpoints)
+    from .activation_recompute import call_layer, recomputes, refuse_delayed_scaling, validate_recompute_layers
     from .meta_init import materialize_meta_model
     from .packing import IGNORE_INDEX, PackedBatch, pack_inputs, token_mean_loss
     from .te_attention import split_packed_qkv
     from .torch_layers import TransformerLayer as TorchTransformerLayer
 except ImportError:  # flat copy inside a recipe folder
+    from activation_recompute import call_layer, recomputes, refuse_delayed_scaling, validate_recompute_layers
     from meta_init import materialize_meta_model
     from packing import IGNORE_INDEX, PackedBatch, pack_inputs, token_mean_loss
     from te_attention import split_packed_qkv
@@ -91,6 +94,9 @@ class NVGeneformerConfig(BertConfig):
     padded_vocab_size: int | None = None
     # One entry per layer: None (bf16/fp32), "fp8" or "fp4"; the matching TE recipe is passed to the model.
     layer_precision: list | None = None
+    # Layers, from the first, whose activations backward recomputes instead of keeping (activation_recompute.py):
+    # each saves its activation memory for about a third more of its compute. Training only; 0 keeps everything.
+    recompute_layers: int = 0
 
     def __post_init__(self, **kwargs):
         super().__post_init__(**kwargs)
@@ -125,6 +131,7 @@ class NVGeneformerConfig(BertConfig):
             bad = sorted({str(p) for p in self.layer_precision if p not in LAYER_PRECISIONS})
             if bad:
                 problems.append(f"layer_precision entries must be None, 'fp8' or 'fp4', got {bad}")
+        problems += validate_recompute_layers(self.recompute_layers, self.num_hidden_layers)
         if problems:
             raise ValueError("Invalid NVGeneformerConfig: " + "; ".join(problems))
 
@@ -232,6 +239,8 @@ class NVGeneformerPreTrainedModel(PreTrainedModel):
     config: NVGeneformerConfig
     base_model_prefix = "bert"
     _no_split_modules = ["TransformerLayer"]
+    # gradient_checkpointing_enable() recomputes every layer's activations (see config.recompute_layers).
+    supports_gradient_checkpointing = True
     # TE keeps FP8 scaling state in `_extra_state`; it is runtime bookkeeping, not part of a published model.
     _keys_to_ignore_on_load_missing = [r"_extra_state"]
     _keys_to_ignore_on_load_unexpected = [r"_extra_state"]
@@ -275,6 +284,8 @@ class NVGeneformerModel(NVGeneformerPreTrainedModel):
         self.encoder = NVGeneformerEncoder(config, self.backend)
         self.layer_precision = list(config.layer_precision or [None] * config.num_hidden_layers)
         self._recipes = {"fp8": fp8_recipe, "fp4": fp4_recipe}
+        self.gradient_checkpointing = False  # set by Hugging Face's gradient_checkpointing_enable()
+        refuse_delayed_scaling(self)
         for precision in set(self.layer_precision) - {None}:
             if self._recipes[precision] is None:
                 raise ValueError(f"config.layer_precision asks for {precision} but no {precision}_recipe was passed")
@@ -320,12 +331,14 @@ class NVGeneformerModel(NVGeneformerPreTrainedModel):
             types = packed.pack_like(token_type_ids)
             token_type_ids = types.masked_fill(types < 0, 0)  # alignment padding: type 0, never scored
         hidden = self.embeddings(packed, token_type_ids)
+        if self.training and torch.is_grad_enabled():
+            refuse_delayed_scaling(self)  # recompute can also be switched on after construction
         all_hidden = []
         for index, layer in enumerate(self.encoder.layers):
             if output_hidden_states:
                 all_hidden.append(hidden)
             with self._precision_context(index):
-                hidden = layer(hidden, **packed.layer_boundaries())
+                hidden = call_layer(layer, recomputes(self, index), hidden, **packed.layer_boundaries())
         if output_hidden_states:
             all_hidden.append(hidden)
         return hidden, (tuple(all_hidden) if output_hidden_states else None)

@@ -20,7 +20,12 @@ from mixed_precision import computes_in_bf16, keeps_fp32_master_weights, mixed_p
 from modeling_llama_te import NVLlamaConfig, NVLlamaForCausalLM, resolve_backend
 from omegaconf import DictConfig, OmegaConf
 from perf_logger import ModelFlops
-from quantization import QuantizationPlan, build_quantization, check_quantization_supported
+from quantization import (
+    QuantizationPlan,
+    build_quantization,
+    check_quantization_supported,
+    refuse_recomputed_delayed_scaling,
+)
 from recipe_paths import model_directory
 from torch.distributed.fsdp import fully_shard
 from torch.nn.parallel import DistributedDataParallel
@@ -65,6 +70,7 @@ def load_model_config(cfg: DictConfig) -> tuple[NVLlamaConfig, QuantizationPlan]
     fp8_config, fp4_config = OmegaConf.to_container(cfg.fp8_config), OmegaConf.to_container(cfg.fp4_config)
     plan = build_quantization(fp8_config, fp4_config, config.num_hidden_layers)
     config.layer_precision = plan.layer_precision
+    refuse_recomputed_delayed_scaling(plan, config.recompute_layers)
     config.validate_nv_llama()
     return config, plan
 
@@ -91,7 +97,15 @@ def build_model(cfg: DictConfig, device: torch.device, meshes: Meshes | None, st
     if computes_in_bf16(cfg.mixed_precision, device) and not keeps_fp32_master_weights(cfg.mixed_precision, device):
         model.to(torch.bfloat16)  # bf16 weights and optimizer state: less memory, no fp32 master copy
     model_flops = ModelFlops.from_model(model, config.num_hidden_layers, config.hidden_size)
-    logger.info("Model: %s backend, %.1fM parameters", model.backend, sum(p.numel() for p in model.parameters()) / 1e6)
+    recompute = (
+        f", activations of {config.recompute_layers} of {config.num_hidden_layers} layers recomputed in backward"
+    )
+    logger.info(
+        "Model: %s backend, %.1fM parameters%s",
+        model.backend,
+        sum(p.numel() for p in model.parameters()) / 1e6,
+        recompute if config.recompute_layers else "",
+    )
 
     if meshes is not None and meshes.cp is not None:
         # Every attention layer exchanges K/V blocks with the other ranks of this rank's CP group.

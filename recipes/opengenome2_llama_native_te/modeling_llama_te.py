@@ -20,8 +20,8 @@ time (greedy, sampling, beam search), on both backends: a cached step runs each 
 RMSNorm+QKV GEMM, output projection and RMSNorm+SwiGLU MLP, or their torch twins) around an attention over the
 cached keys (``NVLlamaModel.forward_cached``). Cached steps run in the weights' dtype (FP8 layers decode in bf16).
 
-This file is self-contained apart from ``torch_layers.py``, ``packing.py`` and ``meta_init.py`` beside it, so the four
-can be copied into a recipe and shipped inside an exported checkpoint (``trust_remote_code=True``).
+This file is self-contained apart from ``torch_layers.py``, ``packing.py``, ``meta_init.py`` and
+``activation_recompute.py`` beside it, so the five can be copied into a recipe and shipped inside an exported checkpoint (``trust_remote_code=True``).
 """
 
 import contextlib
@@ -35,12 +35,14 @@ from transformers.modeling_outputs import BaseModelOutputWithPast, CausalLMOutpu
 
 
 try:  # package import (models/llama3, exported checkpoints)
+    from .activation_recompute import call_layer, recomputes, refuse_delayed_scaling, validate_recompute_layers
     from .meta_init import materialize_meta_model
     from .packing import PackedBatch, pack_inputs, token_mean_loss
     from .torch_layers import DotProductAttention as TorchDotProductAttention
     from .torch_layers import TransformerLayer as TorchTransformerLayer
     from .torch_layers import apply_rotary_pos_emb
 except ImportError:  # flat copy inside a recipe folder
+    from activation_recompute import call_layer, recomputes, refuse_delayed_scaling, validate_recompute_layers
     from meta_init import materialize_meta_model
     from packing import PackedBatch, pack_inputs, token_mean_loss
     from torch_layers import DotProductAttention as TorchDotProductAttention
@@ -87,6 +89,9 @@ class NVLlamaConfig(LlamaConfig):
     padded_vocab_size: int | None = None
     # One entry per layer: None (bf16/fp32), "fp8" or "fp4"; the matching TE recipe is passed to the model.
     layer_precision: list | None = None
+    # Layers, from the first, whose activations backward recomputes instead of keeping (activation_recompute.py):
+    # each saves its activation memory for about a third more of its compute. Training only; 0 keeps everything.
+    recompute_layers: int = 0
     # Std of the input-embedding init; None = initializer_range. 1.0 is "Spike No More" (Takase et al., 2023):
     # unit-scale embeddings keep early-training gradient spikes small (use it with untied embeddings).
     embedding_init_std: float | None = None
@@ -140,6 +145,7 @@ class NVLlamaConfig(LlamaConfig):
             bad = sorted({str(p) for p in self.layer_precision if p not in LAYER_PRECISIONS})
             if bad:
                 problems.append(f"layer_precision entries must be None, 'fp8' or 'fp4', got {bad}")
+        problems += validate_recompute_layers(self.recompute_layers, self.num_hidden_layers)
         if problems:
             raise ValueError("Invalid NVLlamaConfig: " + "; ".join(problems))
 
@@ -266,6 +272,8 @@ class NVLlamaPreTrainedModel(PreTrainedModel):
     config: NVLlamaConfig
     base_model_prefix = "model"
     _no_split_modules = ["TransformerLayer"]
+    # gradient_checkpointing_enable() recomputes every layer's activations (see config.recompute_layers).
+    supports_gradient_checkpointing = True
     # TE keeps FP8 scaling state in `_extra_state`; it is runtime bookkeeping, not part of a published model.
     _keys_to_ignore_on_load_missing = [r"_extra_state"]
     _keys_to_ignore_on_load_unexpected = [r"_extra_state"]
@@ -339,6 +347,8 @@ class NVLlamaModel(NVLlamaPreTrainedModel):
         self.rotary_emb = NVLlamaRotaryEmbedding(config)
         self.layer_precision = list(config.layer_precision or [None] * config.num_hidden_layers)
         self._recipes = {"fp8": fp8_recipe, "fp4": fp4_recipe}
+        self.gradient_checkpointing = False  # set by Hugging Face's gradient_checkpointing_enable()
+        refuse_delayed_scaling(self)
         for precision in set(self.layer_precision) - {None}:
             if self._recipes[precision] is None:
                 raise ValueError(f"config.layer_precision asks for {precision} but no {precision}_recipe was passed")
@@ -397,13 +407,17 @@ class NVLlamaModel(NVLlamaPreTrainedModel):
     def forward_packed(self, packed: PackedBatch, output_hidden_states: bool = False):
         """Run the decoder on packed tokens: returns ([tokens, hidden], tuple of per-layer inputs or None)."""
         hidden = self.embed_tokens(packed.input_ids)
+        if self.training and torch.is_grad_enabled():
+            refuse_delayed_scaling(self)  # recompute can also be switched on after construction
         rotary = self.rotary_emb(packed.max_seqlen)
         all_hidden = []
         for index, layer in enumerate(self.layers):
             if output_hidden_states:
                 all_hidden.append(hidden)
             with self._precision_context(index):
-                hidden = layer(hidden, rotary_pos_emb=rotary, **packed.layer_boundaries())
+                hidden = call_layer(
+                    layer, recomputes(self, index), hidden, rotary_pos_emb=rotary, **packed.layer_boundaries()
+                )
         hidden = self.norm(hidden)
         if output_hidden_states:
             all_hidden.append(hidden)

@@ -365,7 +365,7 @@ class NVAmplifyModel(NVAmplifyPreTrainedModel):
                 all_hidden.append(hidden)
             with self._precision_context(index):
                 hidden = call_layer(
-                    layer, hidden, recomputes(self, index), rotary_pos_emb=rotary, **packed.layer_boundaries()
+                    layer, recomputes(self, index), hidden, rotary_pos_emb=rotary, **packed.layer_boundaries()
                 )
         if self.final_norm is not None:
             hidden = self.final_norm(hidden)

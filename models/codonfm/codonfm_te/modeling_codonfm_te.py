@@ -32,8 +32,8 @@ Inputs come as BSHD (``input_ids`` [batch, seq] + ``attention_mask``) or THD (pa
 ``cu_seq_lens_q/k`` and ``max_length_q/k``). The encoder always runs on packed tokens: BSHD input is unpadded on the
 way in and re-padded on the way out, so no compute is spent on padding and no sequence attends to another.
 
-This file is self-contained apart from ``torch_layers.py``, ``packing.py`` and ``meta_init.py`` beside it, so the four
-can be copied into a recipe and shipped inside an exported checkpoint (``trust_remote_code=True``).
+This file is self-contained apart from ``torch_layers.py``, ``packing.py``, ``meta_init.py`` and
+``activation_recompute.py`` beside it, so the five can be copied into a recipe and shipped inside an exported checkpoint (``trust_remote_code=True``).
 """
 
 import contextlib
@@ -47,12 +47,14 @@ from transformers.modeling_outputs import BaseModelOutput, MaskedLMOutput, Seque
 
 
 try:  # package import (models/codonfm, exported checkpoints)
+    from .activation_recompute import call_layer, recomputes, refuse_delayed_scaling, validate_recompute_layers
     from .meta_init import materialize_meta_model
     from .packing import IGNORE_INDEX, PackedBatch, pack_inputs, token_mean_loss
     from .torch_layers import DotProductAttention as TorchDotProductAttention
     from .torch_layers import LayerNormLinear as TorchLayerNormLinear
     from .torch_layers import apply_rotary_pos_emb as torch_apply_rotary_pos_emb
 except ImportError:  # flat copy inside a recipe folder
+    from activation_recompute import call_layer, recomputes, refuse_delayed_scaling, validate_recompute_layers
     from meta_init import materialize_meta_model
     from packing import IGNORE_INDEX, PackedBatch, pack_inputs, token_mean_loss
     from torch_layers import DotProductAttention as TorchDotProductAttention
@@ -126,6 +128,9 @@ class NVEncodonConfig(PreTrainedConfig):
     padded_vocab_size: int | None = None
     # One entry per layer: None (bf16/fp32), "fp8" or "fp4"; the matching TE recipe is passed to the model.
     layer_precision: list | None = None
+    # Layers, from the first, whose activations backward recomputes instead of keeping (activation_recompute.py):
+    # each saves its activation memory for about a third more of its compute. Training only; 0 keeps everything.
+    recompute_layers: int = 0
 
     def __post_init__(self, **kwargs):
         super().__post_init__(**kwargs)
@@ -179,6 +184,7 @@ class NVEncodonConfig(PreTrainedConfig):
             bad = sorted({str(p) for p in self.layer_precision if p not in LAYER_PRECISIONS})
             if bad:
                 problems.append(f"layer_precision entries must be None, 'fp8' or 'fp4', got {bad}")
+        problems += validate_recompute_layers(self.recompute_layers, self.num_hidden_layers)
         if problems:
             raise ValueError("Invalid NVEncodonConfig: " + "; ".join(problems))
 
@@ -397,6 +403,8 @@ class NVEncodonPreTrainedModel(PreTrainedModel):
     config: NVEncodonConfig
     base_model_prefix = "encodon"
     _no_split_modules = ["EncodonLayer"]
+    # gradient_checkpointing_enable() recomputes every layer's activations (see config.recompute_layers).
+    supports_gradient_checkpointing = True
     # TE keeps FP8 scaling state in `_extra_state`; it is runtime bookkeeping, not part of a published model.
     _keys_to_ignore_on_load_missing = [r"_extra_state"]
     _keys_to_ignore_on_load_unexpected = [r"_extra_state"]
@@ -447,6 +455,8 @@ class NVEncodonModel(NVEncodonPreTrainedModel):
         self.rotary_embeddings = NVEncodonRotaryEmbedding(config.head_dim, config.rotary_theta)
         self.layer_precision = list(config.layer_precision or [None] * config.num_hidden_layers)
         self._recipes = {"fp8": fp8_recipe, "fp4": fp4_recipe}
+        self.gradient_checkpointing = False  # set by Hugging Face's gradient_checkpointing_enable()
+        refuse_delayed_scaling(self)
         for precision in set(self.layer_precision) - {None}:
             if self._recipes[precision] is None:
                 raise ValueError(f"config.layer_precision asks for {precision} but no {precision}_recipe was passed")
@@ -486,12 +496,16 @@ class NVEncodonModel(NVEncodonPreTrainedModel):
         or None)."""
         hidden = self.embeddings(packed.input_ids)
         rotary = self.rotary_embeddings(packed.max_seqlen)
+        if self.training and torch.is_grad_enabled():
+            refuse_delayed_scaling(self)  # recompute can also be switched on after construction
         all_hidden = []
         for index, layer in enumerate(self.layers):
             if output_hidden_states:
                 all_hidden.append(hidden)
             with self._precision_context(index):
-                hidden = layer(hidden, rotary, packed.cu_seqlens, packed.max_seqlen)
+                hidden = call_layer(
+                    layer, recomputes(self, index), hidden, rotary, packed.cu_seqlens, packed.max_seqlen
+                )
         if output_hidden_states:
             all_hidden.append(hidden)
         return hidden, (tuple(all_hidden) if output_hidden_states else None)

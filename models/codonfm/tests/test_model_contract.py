@@ -47,7 +47,13 @@ CONTRACTS = {
         make_batch=make_batch,
         init_config=init_config,
         tokenizer_texts=("ATGGCCAAGTTTGGACTGTAA", "ATGAAATGA"),
-        modeling_files=("modeling_codonfm_te.py", "torch_layers.py", "packing.py", "meta_init.py"),
+        modeling_files=(
+            "modeling_codonfm_te.py",
+            "torch_layers.py",
+            "packing.py",
+            "meta_init.py",
+            "activation_recompute.py",
+        ),
         te_hf_model=partial(reference_model, {**shape_of("encodon_80m"), "num_hidden_layers": 4}),
     )
 }

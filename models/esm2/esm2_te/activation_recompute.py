@@ -6,7 +6,7 @@ about one more forward of the layer (~1/3 of its forward + backward) and frees e
 kept: attention inputs and outputs, the MLP's [tokens, ffn] activations, norms. Models recompute the first
 ``config.recompute_layers`` layers, or every layer after Hugging Face's ``model.gradient_checkpointing_enable()``.
 
-TransformerEngine layers go through ``te.distributed.checkpoint``, which replays the forward under the same FP8
+Layers that hold TransformerEngine modules go through ``te.distributed.checkpoint``, which replays the forward under the same FP8
 autocast and keeps delayed-scaling amax histories from being updated twice; other layers through
 ``torch.utils.checkpoint``. Both run non-reentrant: recompute starts when backward first needs a tensor the layer did
 not keep, which also composes with FSDP2 (its pre-backward hook has already gathered the layer's weights by then).
@@ -19,19 +19,32 @@ into FP8's coarse subnormal range, so a repeated plain run might differ as much 
 settles it, recomputed layers use current or block scaling (or bf16).
 """
 
+import weakref
+
 import torch
 import torch.utils.checkpoint
 
 
-def call_layer(layer: torch.nn.Module, hidden: torch.Tensor, recompute: bool, **kwargs) -> torch.Tensor:
-    """``layer(hidden, **kwargs)``, with its activations recomputed in backward when ``recompute`` is true."""
-    if not recompute:
-        return layer(hidden, **kwargs)
-    if type(layer).__module__.startswith("transformer_engine"):
-        import transformer_engine.pytorch as te  # only reachable where the layer itself is TE's
+_HOLDS_TE_MODULES: "weakref.WeakKeyDictionary[torch.nn.Module, bool]" = weakref.WeakKeyDictionary()
 
-        return te.distributed.checkpoint(layer, hidden, use_reentrant=False, **kwargs)
-    return torch.utils.checkpoint.checkpoint(layer, hidden, use_reentrant=False, **kwargs)
+
+def _holds_te_modules(layer: torch.nn.Module) -> bool:
+    """Whether ``layer`` is or contains a TransformerEngine module (a ``te.TransformerLayer``, or a layer built from TE
+    modules like CodonFM's): those need TE's checkpoint, which replays the forward under the same FP8 autocast."""
+    if layer not in _HOLDS_TE_MODULES:
+        _HOLDS_TE_MODULES[layer] = any(type(m).__module__.startswith("transformer_engine") for m in layer.modules())
+    return _HOLDS_TE_MODULES[layer]
+
+
+def call_layer(layer: torch.nn.Module, recompute: bool, *args, **kwargs) -> torch.Tensor:
+    """``layer(*args, **kwargs)``, with its activations recomputed in backward when ``recompute`` is true."""
+    if not recompute:
+        return layer(*args, **kwargs)
+    if _holds_te_modules(layer):
+        import transformer_engine.pytorch as te  # only reachable where the layer holds TE modules
+
+        return te.distributed.checkpoint(layer, *args, use_reentrant=False, **kwargs)
+    return torch.utils.checkpoint.checkpoint(layer, *args, use_reentrant=False, **kwargs)
 
 
 def recomputes(model: torch.nn.Module, layer_index: int) -> bool:

@@ -56,6 +56,7 @@ CONTRACTS = {
             "packing.py",
             "meta_init.py",
             "te_attention.py",
+            "activation_recompute.py",
         ),
         te_hf_model=partial(stock_model, **{**shape_of("geneformer_10M"), "num_hidden_layers": 4}),
         rotary=False,

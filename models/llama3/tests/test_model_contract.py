@@ -63,7 +63,13 @@ def llama_contract(tie: bool, shape: str, rope: str) -> ModelContract:
         make_batch=batch,
         init_config=partial(init_config, tie),
         tokenizer_texts=("ACGTTGCAACGTNNRY", "GATTACA"),
-        modeling_files=("modeling_llama_te.py", "torch_layers.py", "packing.py", "meta_init.py"),
+        modeling_files=(
+            "modeling_llama_te.py",
+            "torch_layers.py",
+            "packing.py",
+            "meta_init.py",
+            "activation_recompute.py",
+        ),
         te_hf_model=partial(stock_model, TE_SHAPE, LLAMA3_ROPE, tie),
         te_checked_gradients=(
             "model.embed_tokens.weight",

@@ -32,7 +32,7 @@ import torch
 logger = logging.getLogger(__name__)
 
 # Files a modeling file imports from beside it; an export ships those of them that sit beside it (te_attention.py
-# belongs to the models whose TE layers take no rotary embeddings, activation_recompute.py to ESM-2 and AMPLIFY).
+# belongs to the models whose TE layers take no rotary embeddings, activation_recompute.py to all but ViT).
 MODELING_SUPPORT_FILES = (
     "torch_layers.py",
     "packing.py",

@@ -86,6 +86,24 @@ def test_stop_and_resume_is_exact(tmp_path, strategy):
         torch.testing.assert_close(weights[resumed][key], value, rtol=0, atol=0, msg=key)
 
 
+@pytest.mark.parametrize("strategy", ["ddp", "fsdp2"])
+def test_activation_recompute_trains_exactly_like_keeping_activations(tmp_path, strategy):
+    """``model_config_overrides.recompute_layers`` under Lightning's DDP and FSDP2 strategies, 2 processes, dropout
+    on (the recompute draws the same masks): the same losses and gradient norms, step by step, bit for bit."""
+    common = ["logger.log_every=1", "num_train_steps=6", f"strategy={strategy}", "data.token_budget=1024", *DROPOUT]
+    run_script("train.py", f"output_dir={tmp_path / 'plain'}", *common, nproc=2)
+    run_script(
+        "train.py",
+        f"output_dir={tmp_path / 'recompute'}",
+        *common,
+        "+model_config_overrides.recompute_layers=2",
+        nproc=2,
+    )
+    plain, recomputed = (read_jsonl(tmp_path / run / "metrics.jsonl") for run in ("plain", "recompute"))
+    assert [(m["loss"], m["grad_norm"]) for m in recomputed] == [(m["loss"], m["grad_norm"]) for m in plain]
+    assert plain[-1]["loss"] != plain[0]["loss"]
+
+
 def test_a_partial_checkpoint_is_ignored_on_resume(tmp_path):
     """A save killed mid-write leaves `.last.ckpt.partial` (checkpoint_io.py), never a torn last.ckpt: a relaunch
     resumes from the last complete checkpoint, warns about the leftover, and its next save replaces it."""

@@ -8,6 +8,7 @@ from launch import RECIPE_DIR
 from lightning.pytorch.strategies import DDPStrategy, ModelParallelStrategy
 from omegaconf import OmegaConf
 from trainer_setup import build_strategy, process_counts
+from user_errors import ConfigError
 
 
 AUTO = OmegaConf.create({"devices": "auto", "num_nodes": "auto"})
@@ -57,3 +58,17 @@ def test_strategies():
     assert isinstance(build_strategy(cfg, "cpu", 2, 1), DDPStrategy)
     cfg.strategy = "fsdp2"
     assert isinstance(build_strategy(cfg, "cpu", 2, 2), ModelParallelStrategy)
+
+
+def test_activation_recompute_is_refused_with_fsdp1():
+    """Not tested with FSDP1's per-layer wrappers: refused by name before anything is built (also on CPU)."""
+    cfg = OmegaConf.create(
+        {
+            "strategy": "fsdp",
+            "trainer": {"precision": "32-true"},
+            "fsdp": {"reshard_after_forward": True},
+            "model_config_overrides": {"recompute_layers": 2},
+        }
+    )
+    with pytest.raises(ConfigError, match="recompute_layers is not supported with strategy=fsdp"):
+        build_strategy(cfg, "cpu", 2, 1)

@@ -150,6 +150,24 @@ def test_stop_and_go_matches_uninterrupted_run(tmp_path, script, extra):
 
 
 @pytest.mark.parametrize("script", ["train_ddp.py", "train_fsdp2.py"])
+def test_activation_recompute_trains_exactly_like_keeping_activations(tmp_path, script):
+    """``model_config_overrides.recompute_layers`` on two ranks (dropout on: the recompute draws the same masks):
+    the same losses and gradient norms, step by step, bit for bit."""
+    common = [
+        *CONVERGE,
+        "num_train_steps=6",
+        "logger.log_every=1",
+        "dataset.num_workers=0",
+        "export_final_model=false",
+    ]
+    plain = train(script, tmp_path / "plain", *common, nproc=2)
+    recomputed = train(script, tmp_path / "recompute", *common, "+model_config_overrides.recompute_layers=2", nproc=2)
+    assert [m["loss"] for m in recomputed] == [m["loss"] for m in plain]
+    assert [m["grad_norm"] for m in recomputed] == [m["grad_norm"] for m in plain]
+    assert plain[-1]["loss"] != plain[0]["loss"]
+
+
+@pytest.mark.parametrize("script", ["train_ddp.py", "train_fsdp2.py"])
 def test_grad_accumulation_equals_one_larger_batch(tmp_path, script):
     """grad_acc_steps=2 x 2 cells per rank == 1 x 4 cells, on 2 ranks: the same per-step losses and final weights
     (each micro-batch is weighted by its share of the step's masked genes)."""

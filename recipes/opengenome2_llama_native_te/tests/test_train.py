@@ -54,6 +54,16 @@ def test_two_processes_learn(tmp_path):
     assert read_jsonl(tmp_path / "validation.jsonl")[0]["val_loss"] < LOSS_THRESHOLD
 
 
+def test_activation_recompute_trains_exactly_like_keeping_activations(tmp_path):
+    """``model_config_overrides.recompute_layers`` under FSDP2 on two ranks (the recompute re-entering the sharded
+    layer in backward): the same losses, step by step, bit for bit."""
+    common = ["num_train_steps=6", "logger.log_every=1", "validation.every_n_steps=6", "export_final_model=false"]
+    plain = train(tmp_path / "plain", *common, nproc=2)
+    recomputed = train(tmp_path / "recompute", *common, "+model_config_overrides.recompute_layers=2", nproc=2)
+    assert [m["loss"] for m in recomputed] == [m["loss"] for m in plain]
+    assert plain[-1]["loss"] != plain[0]["loss"]
+
+
 def test_stop_and_go_matches_an_uninterrupted_run(tmp_path):
     """2 processes, each with its own data cursor; packed batches split windows, so the resumed run starts mid-window.
     4 steps + resume to 8 must give exactly the losses, validation and weights of 8 uninterrupted steps."""
