@@ -19,6 +19,7 @@ import logging
 import math
 
 import torch
+from activation_recompute import recompute_note
 from mixed_precision import mixed_precision_policy
 from modeling_codonfm_te import (
     EncodonLayer,
@@ -135,11 +136,8 @@ def build_model(config: NVEncodonConfig, plan: QuantizationPlan, pretraining: bo
     with torch.device(device):
         model = model_class(pretraining)(config, fp8_recipe=plan.fp8_recipe, fp4_recipe=plan.fp4_recipe)
     millions = sum(p.numel() for p in model.parameters()) / 1e6
-    logger.info("Model: %s, %s backend, %.1fM parameters", type(model).__name__, model.backend, millions)
-    if config.recompute_layers:
-        logger.info(
-            "Activations of %d of %d layers recomputed in backward", config.recompute_layers, config.num_hidden_layers
-        )
+    name, note = type(model).__name__, recompute_note(config)
+    logger.info("Model: %s, %s backend, %.1fM parameters%s", name, model.backend, millions, note)
     if plan.enabled:
         logger.info("FP8 layers (1-indexed): %s", [i + 1 for i, p in enumerate(plan.layer_precision) if p == "fp8"])
     return model

@@ -23,6 +23,7 @@ from dataclasses import dataclass
 
 import torch
 import torch.distributed as dist
+from activation_recompute import recompute_note
 from distributed import Meshes, wrap_in_ddp
 from mixed_precision import computes_in_bf16, keeps_fp32_master_weights, mixed_precision_policy
 from model_families import (
@@ -177,15 +178,8 @@ def build_model(
 
 
 def log_model(model: torch.nn.Module, config) -> None:
-    recompute = (
-        f", activations of {config.recompute_layers} of {config.num_hidden_layers} layers recomputed in backward"
-    )
-    logger.info(
-        "Model: %s backend, %.1fM parameters%s",
-        model.backend,
-        sum(p.numel() for p in model.parameters()) / 1e6,
-        recompute if config.recompute_layers else "",
-    )
+    millions = sum(p.numel() for p in model.parameters()) / 1e6
+    logger.info("Model: %s backend, %.1fM parameters%s", model.backend, millions, recompute_note(config))
 
 
 def _build_megatron_fsdp(cfg, device, meshes, family: ModelFamily, config, plan, quant_stats) -> BuiltModel:

@@ -24,6 +24,7 @@ from pathlib import Path
 
 import torch
 import torch.distributed as dist
+from activation_recompute import recompute_note
 from convert import convert_geneformer_hf_to_te, nv_config_from_hf
 from distributed import Meshes, wrap_in_ddp
 from gene_tokenizer import build_gene_tokenizer
@@ -301,13 +302,5 @@ def _build_megatron_fsdp(cfg, device, meshes, config, tokenizer, plan, pretraine
 
 def _log_model(model: NVGeneformerForMaskedLM) -> None:
     millions = sum(p.numel() for p in model.parameters()) / 1e6
-    config = model.config
-    recompute = (
-        f", activations of {config.recompute_layers} of {config.num_hidden_layers} layers recomputed in backward"
-    )
-    logger.info(
-        "Model: Geneformer, %s backend, %.1fM parameters%s",
-        model.backend,
-        millions,
-        recompute if config.recompute_layers else "",
-    )
+    note = recompute_note(model.config)
+    logger.info("Model: Geneformer, %s backend, %.1fM parameters%s", model.backend, millions, note)

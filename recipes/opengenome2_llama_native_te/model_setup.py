@@ -18,6 +18,7 @@ from dataclasses import dataclass
 
 import torch
 import torch.distributed as dist
+from activation_recompute import recompute_note
 from distributed import Meshes
 from mixed_precision import computes_in_bf16, keeps_fp32_master_weights, mixed_precision_policy
 from modeling_llama_te import NVLlamaConfig, NVLlamaForCausalLM, resolve_backend
@@ -101,15 +102,8 @@ def build_model(cfg: DictConfig, device: torch.device, meshes: Meshes, strategy:
     if computes_in_bf16(cfg.mixed_precision, device) and not keeps_fp32_master_weights(cfg.mixed_precision, device):
         model.to(torch.bfloat16)  # bf16 weights and optimizer state: less memory, no fp32 master copy
     model_flops = ModelFlops.from_model(model, config.num_hidden_layers, config.hidden_size)
-    recompute = (
-        f", activations of {config.recompute_layers} of {config.num_hidden_layers} layers recomputed in backward"
-    )
-    logger.info(
-        "Model: %s backend, %.1fM parameters%s",
-        model.backend,
-        sum(p.numel() for p in model.parameters()) / 1e6,
-        recompute if config.recompute_layers else "",
-    )
+    millions = sum(p.numel() for p in model.parameters()) / 1e6
+    logger.info("Model: %s backend, %.1fM parameters%s", model.backend, millions, recompute_note(config))
     logger.info("Per-layer precision: %s", config.layer_precision or "bf16 everywhere")
 
     if meshes.cp is not None:

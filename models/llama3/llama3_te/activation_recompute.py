@@ -79,3 +79,10 @@ def refuse_delayed_scaling(model: torch.nn.Module) -> None:
                 "with DelayedScaling, which activation recompute does not support yet: use Float8BlockScaling or "
                 "Float8CurrentScaling, or recompute fewer layers"
             )
+
+
+def recompute_note(config) -> str:
+    """For a run's log line: ", activations of N of L layers recomputed in backward", or "" when none are."""
+    if not config.recompute_layers:
+        return ""
+    return f", activations of {config.recompute_layers} of {config.num_hidden_layers} layers recomputed in backward"
