@@ -50,8 +50,7 @@ def refuse_recomputed_delayed_scaling(plan: QuantizationPlan, recompute_layers: 
     """A ``ConfigError`` naming the FP8 layers among the first ``recompute_layers`` (recomputed in backward:
     ``model_config_overrides.recompute_layers``) when the FP8 recipe is DelayedScaling, which the models'
     activation_recompute.py does not support yet."""
-    delayed = getattr(plan.fp8_recipe, "delayed", None)  # TE recipes answer delayed(); None: no FP8 layers
-    if not callable(delayed) or not delayed():
+    if plan.fp8_recipe is None or not plan.fp8_recipe.delayed():
         return
     recomputed = [i + 1 for i, p in enumerate(plan.layer_precision or []) if p == "fp8" and i < recompute_layers]
     if recomputed:

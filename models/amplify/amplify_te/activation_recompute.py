@@ -72,8 +72,8 @@ def refuse_delayed_scaling(model: torch.nn.Module) -> None:
     recomputed = range(len(model.layer_precision) if everything else model.config.recompute_layers)
     for index in recomputed:
         precision = model.layer_precision[index]
-        delayed = getattr(model._recipes.get(precision) if precision else None, "delayed", None)  # TE recipes have it
-        if callable(delayed) and delayed():
+        recipe = model._recipes.get(precision) if precision else None
+        if recipe is not None and recipe.delayed():
             raise ValueError(
                 f"layer {index + 1} is recomputed in backward (recompute_layers / gradient_checkpointing) and runs FP8 "
                 "with DelayedScaling, which activation recompute does not support yet: use Float8BlockScaling or "

@@ -3,6 +3,7 @@ shapes the issue asks for, the FP8 layer list with the first and last layers in 
 (``fp8_config.keep_first_last_bf16``, resolved by ``quantization.build_quantization``), and clear config errors."""
 
 from pathlib import Path
+from types import SimpleNamespace
 
 import pytest
 import quantization
@@ -19,6 +20,9 @@ CONFIG_DIR = Path(__file__).resolve().parent.parent / "hydra_config"
 RECIPE_DIR = CONFIG_DIR.parent
 NAMED_CONFIGS = sorted(p.stem for p in CONFIG_DIR.glob("*.yaml") if p.stem != "defaults")
 OG2_CONFIGS = ["og2_1b_thd", "og2_7b_thd_gqa", "og2_7b_thd_gqa_fp8", "og2_7b_thd_gqa_global_shuffle"]
+# TE is not needed for an FP8 plan on CPU: this stands in for the recipe TE would build (it answers delayed() as
+# TE's block-scaling recipe does, for the DelayedScaling + recompute check).
+FP8_RECIPE = SimpleNamespace(delayed=lambda: False)
 
 
 def compose_config(name: str, overrides=()):
@@ -99,8 +103,8 @@ def test_og2_1b_is_the_llama_3_2_1b_shape_untied_with_plain_rope():
 
 def _fp8_layer_plan(monkeypatch, layers: int, keep: int):
     """load_model_config of L0_sanity with ``layers`` layers, FP8 on and ``keep_first_last_bf16=keep``. TE is not
-    needed for the plan; stand in for its recipe."""
-    monkeypatch.setattr(quantization, "build_recipe", lambda *args: "fp8-recipe")
+    needed for the plan (FP8_RECIPE stands in)."""
+    monkeypatch.setattr(quantization, "build_recipe", lambda *args: FP8_RECIPE)
     overrides = [f"+model_config_overrides.num_hidden_layers={layers}", "fp8_config.enabled=true"]
     return load_model_config(compose_config("L0_sanity", [*overrides, f"fp8_config.keep_first_last_bf16={keep}"]))
 
@@ -111,7 +115,7 @@ def _fp8_layer_plan(monkeypatch, layers: int, keep: int):
 def test_keep_first_last_bf16_layer_list(monkeypatch, layers, keep, expected):
     config, plan = _fp8_layer_plan(monkeypatch, layers, keep)
     assert config.layer_precision == ["fp8" if number in expected else None for number in range(1, layers + 1)]
-    assert plan.fp8_recipe == "fp8-recipe"
+    assert plan.fp8_recipe is FP8_RECIPE
 
 
 @pytest.mark.parametrize(("layers", "keep"), [(4, 2), (3, 2), (8, -1)])
@@ -121,11 +125,11 @@ def test_keep_first_last_bf16_rejects_impossible_values(monkeypatch, layers, kee
 
 
 def test_fp8_config_keeps_the_first_and_last_two_layers_in_bf16(monkeypatch):
-    """og2_7b_thd_gqa_fp8 as shipped: layers 3..30 in FP8. TE is not needed for the plan; stand in for its recipe."""
-    monkeypatch.setattr(quantization, "build_recipe", lambda *args: "fp8-recipe")
+    """og2_7b_thd_gqa_fp8 as shipped: layers 3..30 in FP8. TE is not needed for the plan (FP8_RECIPE stands in)."""
+    monkeypatch.setattr(quantization, "build_recipe", lambda *args: FP8_RECIPE)
     config, plan = load_model_config(compose_config("og2_7b_thd_gqa_fp8"))
     assert config.layer_precision == [None, None] + ["fp8"] * 28 + [None, None]
-    assert plan.fp8_recipe == "fp8-recipe"
+    assert plan.fp8_recipe is FP8_RECIPE
 
 
 @pytest.mark.parametrize(
