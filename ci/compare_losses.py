@@ -120,6 +120,9 @@ def main(argv: list[str] | None = None) -> int:
         parser.error("give the reference run and at least one run to compare with it")
     try:
         runs = [parse_run(spec) for spec in args.runs]
+        names = [run.name for run in runs]
+        if len(set(names)) < len(names):  # results are reported by name
+            raise ValueError(f"two runs have the same name ({', '.join(names)}): name them with NAME=PATH")
         result = compare(runs[0], runs[1:])
     except (OSError, ValueError) as error:
         print(f"error: {error}", file=sys.stderr)

@@ -57,14 +57,13 @@ def test_only_steps_every_run_logged_are_compared(tmp_path):
 
 def test_markdown_table_has_a_row_per_common_step(tmp_path, capsys):
     a = write_metrics(tmp_path / "plain", PLAIN)
-    b = write_metrics(tmp_path / "recompute", PLAIN)
+    write_metrics(tmp_path / "recompute", PLAIN)
     compare_losses.main([str(a), str(tmp_path / "recompute"), "--markdown"])  # a folder means its metrics.jsonl
     lines = capsys.readouterr().out.splitlines()
     assert lines[0] == "| step | plain | recompute (Δ) |"
     assert lines[1] == "|---|---|---|"
     assert lines[2] == "| 10 | 3.2107 | 3.2107 (+0.0000) |"
     assert len([line for line in lines if line.startswith("| ")]) == 1 + len(PLAIN)
-    assert b.exists()
 
 
 def test_a_resumed_run_keeps_the_later_line_for_a_repeated_step(tmp_path):
@@ -97,6 +96,15 @@ def test_missing_files_and_disjoint_runs_are_errors(tmp_path, capsys):
     later = write_metrics(tmp_path / "later", {100: 2.0})
     assert compare_losses.main([str(good), str(later)]) == 2
     assert "share no logged step" in capsys.readouterr().err
+
+
+def test_runs_with_the_same_name_are_refused(tmp_path, capsys):
+    """Two folders called run/ would be reported under one name: the user must name them."""
+    first = write_metrics(tmp_path / "a" / "run", PLAIN)
+    second = write_metrics(tmp_path / "b" / "run", {10: 9.0, 20: 9.0, 30: 9.0})
+    assert compare_losses.main([str(first), str(second)]) == 2
+    assert "two runs have the same name (run, run): name them with NAME=PATH" in capsys.readouterr().err
+    assert compare_losses.main([f"plain={first}", f"other={second}"]) == 0
 
 
 def test_one_run_alone_is_a_usage_error(tmp_path):
