@@ -32,13 +32,15 @@ import torch
 logger = logging.getLogger(__name__)
 
 # Files a modeling file imports from beside it; an export ships those of them that sit beside it (te_attention.py
-# belongs to the models whose TE layers take no rotary embeddings, activation_recompute.py to all but ViT).
+# belongs to the models whose TE attention takes packed QKV, activation_recompute.py to all but ViT, packed_rope.py
+# to ESM-2 and AMPLIFY).
 MODELING_SUPPORT_FILES = (
     "torch_layers.py",
     "packing.py",
     "meta_init.py",
     "te_attention.py",
     "activation_recompute.py",
+    "packed_rope.py",
 )
 
 

@@ -42,12 +42,16 @@ from transformers.modeling_outputs import BaseModelOutput, MaskedLMOutput
 try:  # package import (models/amplify, exported checkpoints)
     from .activation_recompute import call_layer, recomputes, refuse_delayed_scaling, validate_recompute_layers
     from .meta_init import materialize_meta_model
+    from .packed_rope import PackedQKVRotary
     from .packing import PackedBatch, pack_inputs, token_mean_loss
+    from .te_attention import split_packed_qkv
     from .torch_layers import TransformerLayer as TorchTransformerLayer
 except ImportError:  # flat copy inside a recipe folder
     from activation_recompute import call_layer, recomputes, refuse_delayed_scaling, validate_recompute_layers
     from meta_init import materialize_meta_model
+    from packed_rope import PackedQKVRotary
     from packing import PackedBatch, pack_inputs, token_mean_loss
+    from te_attention import split_packed_qkv
     from torch_layers import TransformerLayer as TorchTransformerLayer
 
 try:
@@ -125,6 +129,9 @@ class NVAmplifyConfig(PreTrainedConfig):
     # Layers, from the first, whose activations backward recomputes instead of keeping (activation_recompute.py):
     # each saves its activation memory for about a third more of its compute. Training only; 0 keeps everything.
     recompute_layers: int = 0
+    # TE backend: rotate queries and keys right after the fused QKV projection (packed_rope.py: one Triton kernel,
+    # attention gets one packed QKV tensor) instead of TE's RoPE. Same numbers; off under context parallelism.
+    fused_qkv_rope: bool = True
     # Derived, not a setting: the standard deviation of the linear init, decoder_init_range / sqrt(3) (a uniform
     # draw on [-r, r] has std r / sqrt(3)). The project's shared init checks read it.
     initializer_range: float | None = None
@@ -314,9 +321,14 @@ class NVAmplifyModel(NVAmplifyPreTrainedModel):
         self.final_norm = (
             nn.RMSNorm(config.hidden_size, eps=config.norm_eps) if config.layer_norm_before_last_layer else None
         )
-        self.rotary_embeddings = NVAmplifyRotaryEmbedding(
-            config.hidden_size // config.num_attention_heads, config.rope_theta
-        )
+        head_dim = config.hidden_size // config.num_attention_heads
+        self.rotary_embeddings = NVAmplifyRotaryEmbedding(head_dim, config.rope_theta)
+        # TE backend: rotary embeddings applied inside the QKV projections (packed_rope.py); None: in the layers.
+        self.qkv_rotary = None
+        if self.backend == "te":
+            self.qkv_rotary = PackedQKVRotary.for_layers(self.layers, config.num_attention_heads, head_dim)
+            if self.qkv_rotary is not None:  # attention reads q/k/v as views of the rotated buffer
+                split_packed_qkv(self.layers)
         self.layer_precision = list(config.layer_precision or [None] * config.num_hidden_layers)
         self.cp_group = None
         self.gradient_checkpointing = False  # set by Hugging Face's gradient_checkpointing_enable()
@@ -352,6 +364,18 @@ class NVAmplifyModel(NVAmplifyPreTrainedModel):
     def _alignment(self) -> int:
         return 16 if any(p is not None for p in self.layer_precision) else 1
 
+    def _layer_rotary(self, packed: PackedBatch, rotary: torch.Tensor) -> torch.Tensor | None:
+        """The layers' ``rotary_pos_emb``: None where the QKV projections rotate queries and keys themselves
+        (``config.fused_qkv_rope``), else the table: under context parallelism, whose shares TE's RoPE places, and
+        under torch.compile, where dynamo fails inside TE's attention on the packed-QKV path (TE 2.20, torch 2.11)."""
+        if self.qkv_rotary is None:
+            return rotary
+        in_projection = (
+            self.config.fused_qkv_rope and packed.cu_seqlens_padded is None and not torch.compiler.is_compiling()
+        )
+        self.qkv_rotary.set_batch(packed.positions() if in_projection else None, rotary)
+        return None if in_projection else rotary
+
     def forward_packed(self, packed: PackedBatch, output_hidden_states: bool = False):
         """Run the encoder on packed tokens: returns ([tokens, hidden], tuple of per-layer inputs or None)."""
         hidden = self.embeddings(packed.input_ids)
@@ -359,7 +383,7 @@ class NVAmplifyModel(NVAmplifyPreTrainedModel):
             hidden = self.embedding_norm(hidden)
         if self.training and torch.is_grad_enabled():
             refuse_delayed_scaling(self)  # recompute can also be switched on after construction
-        rotary = self.rotary_embeddings(packed.max_seqlen)
+        rotary = self._layer_rotary(packed, self.rotary_embeddings(packed.max_seqlen))
         all_hidden = []
         for index, layer in enumerate(self.layers):
             if output_hidden_states:

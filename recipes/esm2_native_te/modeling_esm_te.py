@@ -33,12 +33,16 @@ from transformers.modeling_outputs import BaseModelOutput, MaskedLMOutput, Token
 try:  # package import (models/esm2, exported checkpoints)
     from .activation_recompute import call_layer, recomputes, refuse_delayed_scaling, validate_recompute_layers
     from .meta_init import materialize_meta_model
+    from .packed_rope import PackedQKVRotary
     from .packing import PackedBatch, pack_inputs, token_mean_loss
+    from .te_attention import split_packed_qkv
     from .torch_layers import TransformerLayer as TorchTransformerLayer
 except ImportError:  # flat copy inside a recipe folder
     from activation_recompute import call_layer, recomputes, refuse_delayed_scaling, validate_recompute_layers
     from meta_init import materialize_meta_model
+    from packed_rope import PackedQKVRotary
     from packing import PackedBatch, pack_inputs, token_mean_loss
+    from te_attention import split_packed_qkv
     from torch_layers import TransformerLayer as TorchTransformerLayer
 
 try:
@@ -89,6 +93,9 @@ class NVEsmConfig(EsmConfig):
     # Layers, from the first, whose activations backward recomputes instead of keeping (activation_recompute.py):
     # each saves its activation memory for about a third more of its compute. Training only; 0 keeps everything.
     recompute_layers: int = 0
+    # TE backend: rotate queries and keys right after the fused QKV projection (packed_rope.py: one Triton kernel,
+    # attention gets one packed QKV tensor) instead of TE's RoPE. Same numbers; off under context parallelism.
+    fused_qkv_rope: bool = True
 
     def __post_init__(self, **kwargs):
         super().__post_init__(**kwargs)
@@ -256,8 +263,12 @@ class NVEsmEncoder(nn.Module):
             )
             for index in range(config.num_hidden_layers)
         )
+        self.qkv_rotary = None  # TE backend: rotary embeddings applied inside the QKV projections (packed_rope.py)
         if backend == "te":
             use_gemm_epilogue_gelu(self.layers)
+            self.qkv_rotary = PackedQKVRotary.for_layers(self.layers, config.num_attention_heads, head_dim)
+            if self.qkv_rotary is not None:  # attention reads q/k/v as views of the rotated buffer
+                split_packed_qkv(self.layers)
         self.emb_layer_norm_after = nn.LayerNorm(config.hidden_size, eps=config.layer_norm_eps)
         self.rotary_embeddings = NVEsmRotaryEmbedding(head_dim, config.rope_theta)
 
@@ -371,12 +382,25 @@ class NVEsmModel(NVEsmPreTrainedModel):
     def _alignment(self) -> int:
         return 16 if any(p is not None for p in self.layer_precision) else 1
 
+    def _layer_rotary(self, packed: PackedBatch, rotary: torch.Tensor) -> torch.Tensor | None:
+        """The layers' ``rotary_pos_emb``: None where the QKV projections rotate queries and keys themselves
+        (``config.fused_qkv_rope``), else the table: under context parallelism, whose shares TE's RoPE places, and
+        under torch.compile, where dynamo fails inside TE's attention on the packed-QKV path (TE 2.20, torch 2.11)."""
+        qkv_rotary = self.encoder.qkv_rotary
+        if qkv_rotary is None:
+            return rotary
+        in_projection = (
+            self.config.fused_qkv_rope and packed.cu_seqlens_padded is None and not torch.compiler.is_compiling()
+        )
+        qkv_rotary.set_batch(packed.positions() if in_projection else None, rotary)
+        return None if in_projection else rotary
+
     def forward_packed(self, packed: PackedBatch, output_hidden_states: bool = False):
         """Run the encoder on packed tokens: returns ([tokens, hidden], tuple of per-layer inputs or None)."""
         hidden = self.embeddings(packed)
         if self.training and torch.is_grad_enabled():
             refuse_delayed_scaling(self)  # recompute can also be switched on after construction
-        rotary = self.encoder.rotary_embeddings(packed.max_seqlen)
+        rotary = self._layer_rotary(packed, self.encoder.rotary_embeddings(packed.max_seqlen))
         all_hidden = []
         for index, layer in enumerate(self.encoder.layers):
             if output_hidden_states:

@@ -53,7 +53,9 @@ CONTRACTS = {
             "torch_layers.py",
             "packing.py",
             "meta_init.py",
+            "te_attention.py",
             "activation_recompute.py",
+            "packed_rope.py",
         ),
         te_hf_model=partial(reference_model, {**shape_of("AMPLIFY_120M"), "num_hidden_layers": 4}),
         te_checked_gradients=(

@@ -55,7 +55,9 @@ CONTRACTS = {
             "torch_layers.py",
             "packing.py",
             "meta_init.py",
+            "te_attention.py",
             "activation_recompute.py",
+            "packed_rope.py",
         ),
         te_hf_model=partial(stock_model, shape_of("esm2_t6_8M_UR50D")),
         te_checked_gradients=(

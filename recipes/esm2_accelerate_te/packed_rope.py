@@ -1,0 +1,197 @@
+# Copied from common/packed_rope.py — edit the source, then run ci/check_copies.py --fix
+"""Rotary embeddings applied to the packed QKV projection of a TE layer: one Triton kernel each way.
+
+For THD input, TE's ``TransformerLayer`` splits its fused QKV projection into query, key and value views, rotates
+query and key with one RoPE kernel each (reading the strided views, writing new tensors), hands attention three
+separate tensors, and in the backward concatenates dQ, dK and dV into the projection's gradient again. For a layer
+whose projection lays every head out as [query, key, value] (``qkv_weight_interleaved=True``: [tokens, heads, 3,
+head_dim]), ``PackedQKVRotary`` instead writes the projection's output once more with query and key rotated, right
+after the projection (a forward hook on ``self_attention.layernorm_qkv``), and the layer is called without
+``rotary_pos_emb``: TE then passes that buffer to attention as one packed QKV tensor (no split, no copies), and the
+backward turns attention's packed gradient into the projection's in one pass.
+
+The rotation is the half-split form (channel ``i`` pairs with ``i + head_dim / 2``, ESM-2's and TE's default). Each
+token is rotated by the angles of its position within its own sequence, ``position * inv_freq``, from float32 cos/sin
+tables that torch computes from the same angles the TE path uses; the arithmetic is float32, the result is rounded
+to the buffer's dtype once, as in TE's kernel.
+
+Without Triton (``available()`` is False) the models keep TE's RoPE. ``TRITON_INTERPRET=1`` runs the kernel on CPU
+tensors (tests).
+"""
+
+import torch
+
+
+try:
+    import triton
+    import triton.language as tl
+except ImportError:  # CPU-only installs; the TE backend that needs this runs on CUDA, where torch brings Triton
+    triton = None
+
+
+def available() -> bool:
+    return triton is not None
+
+
+def supports(head_dim: int) -> bool:
+    """The kernel handles half a head in one block: head_dim / 2 must be a power of two (16, 32, 64, ...)."""
+    half = head_dim // 2
+    return head_dim % 2 == 0 and half >= 1 and (half & (half - 1)) == 0
+
+
+_KERNEL = None
+
+
+def _kernel():
+    """The Triton kernel, JIT-decorated on first use (so that ``TRITON_INTERPRET`` set by a test is honoured)."""
+    global _KERNEL
+    if _KERNEL is None:
+
+        def rotate_query_key(
+            src_ptr,
+            dst_ptr,
+            positions_ptr,
+            cos_ptr,
+            sin_ptr,
+            token_stride,
+            num_heads,
+            HALF: tl.constexpr,
+            BLOCK_HEADS: tl.constexpr,
+            INVERSE: tl.constexpr,
+        ):
+            # One program per token: every head's query and key, [BLOCK_HEADS, HALF] at a time.
+            token = tl.program_id(0).to(tl.int64)
+            position = tl.load(positions_ptr + token).to(tl.int64)
+            channels = tl.arange(0, HALF)
+            cos = tl.load(cos_ptr + position * HALF + channels)[None, :]
+            sin = tl.load(sin_ptr + position * HALF + channels)[None, :]
+            if INVERSE:  # the backward rotates the gradient by the opposite angle
+                sin = -sin
+            heads = tl.arange(0, BLOCK_HEADS)[:, None]
+            mask = heads < num_heads
+            offsets = token * token_stride + heads * (6 * HALF) + channels[None, :]
+            for part in tl.static_range(2):  # query, then key: the first two of each head's three blocks
+                first = offsets + part * (2 * HALF)
+                x1 = tl.load(src_ptr + first, mask=mask).to(tl.float32)
+                x2 = tl.load(src_ptr + first + HALF, mask=mask).to(tl.float32)
+                tl.store(dst_ptr + first, (x1 * cos - x2 * sin).to(dst_ptr.dtype.element_ty), mask=mask)
+                tl.store(dst_ptr + first + HALF, (x2 * cos + x1 * sin).to(dst_ptr.dtype.element_ty), mask=mask)
+            for half in tl.static_range(2):  # the value block passes through unchanged
+                value = offsets + 4 * HALF + half * HALF
+                tl.store(dst_ptr + value, tl.load(src_ptr + value, mask=mask), mask=mask)
+
+        _KERNEL = triton.jit(rotate_query_key)
+    return _KERNEL
+
+
+def _rotate(src, dst, positions, cos, sin, num_heads: int, head_dim: int, inverse: bool) -> None:
+    """Write ``src`` to ``dst`` with its query and key channels rotated (the value channels copied)."""
+    tokens = src.shape[0]
+    for name, buffer in (("source", src), ("destination", dst)):
+        if buffer.dim() != 2 or buffer.shape[1] != 3 * num_heads * head_dim or not buffer.is_contiguous():
+            raise ValueError(
+                f"expected a contiguous [tokens, 3 * {num_heads} * {head_dim}] QKV {name}, got "
+                f"{tuple(buffer.shape)} (contiguous: {buffer.is_contiguous()})"
+            )
+    if positions.shape != (tokens,) or dst.shape != src.shape:
+        raise ValueError(f"positions {tuple(positions.shape)} must have one entry per token ({tokens})")
+    if tokens == 0:
+        return
+    _kernel()[(tokens,)](
+        src,
+        dst,
+        positions,
+        cos,
+        sin,
+        src.stride(0),
+        num_heads,
+        HALF=head_dim // 2,
+        BLOCK_HEADS=triton.next_power_of_2(num_heads),
+        INVERSE=inverse,
+    )
+
+
+class _RotateQueryKey(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, qkv, positions, cos, sin, num_heads: int, head_dim: int):
+        # Out of place: TE's projection returns a view made inside its own autograd Function, which autograd does not
+        # let anyone modify in place.
+        rotated = torch.empty_like(qkv)
+        _rotate(qkv, rotated, positions, cos, sin, num_heads, head_dim, inverse=False)
+        ctx.save_for_backward(positions, cos, sin)
+        ctx.num_heads, ctx.head_dim = num_heads, head_dim
+        return rotated
+
+    @staticmethod
+    def backward(ctx, grad):
+        positions, cos, sin = ctx.saved_tensors
+        # Out of place too: autograd does not promise that nobody else holds ``grad``.
+        grad = grad.contiguous()
+        grad_qkv = torch.empty_like(grad)
+        _rotate(grad, grad_qkv, positions, cos, sin, ctx.num_heads, ctx.head_dim, inverse=True)
+        return grad_qkv, None, None, None, None, None
+
+
+def rotate_query_key(qkv, positions, cos, sin, num_heads: int, head_dim: int) -> torch.Tensor:
+    """``qkv`` ([tokens, heads * 3 * head_dim], each head laid out as query, key, value) with its query and key
+    channels rotated: token ``t`` by the angles in row ``positions[t]`` of ``cos`` / ``sin`` ([max_position,
+    head_dim / 2], float32). Differentiable; a new tensor."""
+    return _RotateQueryKey.apply(qkv, positions, cos, sin, num_heads, head_dim)
+
+
+def rotate_query_key_reference(qkv, positions, cos, sin, num_heads: int, head_dim: int) -> torch.Tensor:
+    """The same rotation in plain torch (tests compare the kernel with it)."""
+    heads = qkv.view(qkv.shape[0], num_heads, 3, head_dim).float()
+    c, s = cos[positions][:, None, :], sin[positions][:, None, :]
+    half = head_dim // 2
+    rotated = []
+    for part in (0, 1):
+        x1, x2 = heads[:, :, part, :half], heads[:, :, part, half:]
+        rotated.append(torch.cat([x1 * c - x2 * s, x2 * c + x1 * s], dim=-1))
+    out = torch.stack([rotated[0], rotated[1], heads[:, :, 2]], dim=2)
+    return out.to(qkv.dtype).reshape(qkv.shape)
+
+
+class PackedQKVRotary:
+    """Rotary embeddings for a stack of TE layers, applied by forward hooks on their QKV projections.
+
+    ``attach(layers)`` once; then, before each pass over the layers, ``set_batch(positions, freqs)`` with every
+    token's position in its sequence and the rotary table ([max_seqlen, 1, 1, head_dim], half-split, as given to
+    TE) and call the layers with ``rotary_pos_emb=None``; ``set_batch(None)`` leaves the projections untouched (the
+    caller passes ``rotary_pos_emb`` as usual). The batch stays set until the next call, so that activation
+    recomputation in the backward rotates the same way.
+    """
+
+    def __init__(self, num_heads: int, head_dim: int):
+        self.num_heads, self.head_dim = num_heads, head_dim
+        self._batch = None
+
+    @classmethod
+    def for_layers(cls, layers, num_heads: int, head_dim: int) -> "PackedQKVRotary | None":
+        """Attached to ``layers`` where this machine and head size allow it (Triton importable, head_dim / 2 a
+        power of two); None otherwise: the caller then keeps TE's RoPE."""
+        if not (available() and supports(head_dim)):
+            return None
+        rotary = cls(num_heads, head_dim)
+        rotary.attach(layers)
+        return rotary
+
+    def attach(self, layers) -> None:
+        for layer in layers:
+            layer.self_attention.layernorm_qkv.register_forward_hook(self._rotate_projection)
+
+    def set_batch(self, positions: torch.Tensor | None, freqs: torch.Tensor | None = None) -> None:
+        if positions is None:
+            self._batch = None
+            return
+        angles = freqs.reshape(freqs.shape[0], -1)[:, : self.head_dim // 2].float()
+        self._batch = (positions, torch.cos(angles).contiguous(), torch.sin(angles).contiguous())
+
+    def _rotate_projection(self, module, args, output):
+        if self._batch is None:
+            return output
+        qkv, rest = (output[0], output[1:]) if isinstance(output, tuple) else (output, None)
+        if type(qkv) is not torch.Tensor:
+            raise TypeError(f"in-place RoPE needs a plain tensor QKV projection, got {type(qkv).__name__}")
+        qkv = rotate_query_key(qkv, *self._batch, self.num_heads, self.head_dim)
+        return qkv if rest is None else (qkv, *rest)
