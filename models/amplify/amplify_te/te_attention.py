@@ -1,8 +1,9 @@
 # Copied from common/te_attention.py — edit the source, then run ci/check_copies.py --fix
 """Query, key and value for TE's attention as views of the fused QKV projection, with a backward that does not copy.
 
-Where a ``TransformerLayer`` applies no rotary embedding (Geneformer), TE (2.20) hands its attention the fused QKV
-projection as one packed tensor (``qkv_layer``), and ``DotProductAttention`` takes query, key and value out of it
+Where a ``TransformerLayer`` is called without a rotary embedding (Geneformer, which has none; ESM-2 and AMPLIFY,
+whose QKV projection applies it itself: packed_rope.py), TE (2.20) hands its attention the fused QKV projection as
+one packed tensor (``qkv_layer``), and ``DotProductAttention`` takes query, key and value out of it
 with three ``Tensor.select`` calls. Autograd's backward of each select writes a zero-filled tensor the size of the
 whole projection and copies its gradient into a third of it, and the three are then added: per layer, three fills,
 three copies and two adds over [tokens, 3 * hidden], although attention's backward wrote dQ, dK and dV side by side

@@ -145,13 +145,18 @@ SHAPE = {"num_hidden_layers": 2, "hidden_size": 256, "num_attention_heads": 4, "
 
 @pytest.mark.requires_gpu
 @pytest.mark.requires_te
+@pytest.mark.parametrize("recompute", [False, True], ids=["keep", "recompute"])
 @pytest.mark.parametrize("input_format", ["bshd", "thd"])
-def test_esm2_with_rope_in_the_projection_equals_te_rope(input_format):
-    """Logits, loss and every gradient with the kernel (the default) against TE's RoPE, in bf16 on the GPU."""
+def test_esm2_with_rope_in_the_projection_equals_te_rope(input_format, recompute):
+    """Logits, loss and every gradient with the kernel (the default) against TE's RoPE, in bf16 on the GPU; also with
+    every layer of the kernel's model recomputed in backward (the rotation's batch must still hold then)."""
     torch.manual_seed(0)
     hf_model = randomize_(EsmForMaskedLM(hf_esm2_config(**SHAPE)))
     models = {flag: convert_esm_hf_to_te(hf_model, backend="te", fused_qkv_rope=flag).cuda() for flag in (True, False)}
     assert models[True].esm.encoder.qkv_rotary is not None
+    layer_calls = count_layer_calls(models[True].esm.encoder.layers)
+    if recompute:  # no dropout in this config, so training mode changes nothing but the recompute
+        models[True].train().config.recompute_layers = SHAPE["num_hidden_layers"]
     input_ids, attention_mask, labels = make_batch([200, 130, 77, 250, 31])
     if input_format == "bshd":
         batch = {"input_ids": input_ids, "attention_mask": attention_mask, "labels": labels}
@@ -182,3 +187,12 @@ def test_esm2_with_rope_in_the_projection_equals_te_rope(input_format):
             min=1e-12
         )
         assert error < 2e-2, (name, error.item())
+    assert layer_calls == [2 if recompute else 1] * SHAPE["num_hidden_layers"]
+
+
+def count_layer_calls(layers: torch.nn.ModuleList) -> list[int]:
+    """A list that counts each layer's forward calls from now on (a recomputed layer runs twice per step)."""
+    calls = [0] * len(layers)
+    for index, layer in enumerate(layers):
+        layer.register_forward_pre_hook(lambda module, args, index=index: calls.__setitem__(index, calls[index] + 1))
+    return calls
