@@ -131,7 +131,10 @@ class NVAmplifyConfig(PreTrainedConfig):
     recompute_layers: int = 0
     # TE backend: rotate queries and keys right after the fused QKV projection (packed_rope.py: one Triton kernel,
     # attention gets one packed QKV tensor) instead of TE's RoPE. Same numbers; off under context parallelism.
-    fused_qkv_rope: bool = True
+    # Off by default for AMPLIFY: it saves GPU time (350M, 32k tokens, 1xH100: 182 vs 188 ms busy per step), but
+    # that step is host-bound (GPU ~70% busy) and the kernel's Python hooks cost more host time than they save:
+    # 146-156k vs 158-164k tokens/s. ESM-2 650M (GPU-bound) gains 3-4% and has it on (docs/benchmarks.md).
+    fused_qkv_rope: bool = False
     # Derived, not a setting: the standard deviation of the linear init, decoder_init_range / sqrt(3) (a uniform
     # draw on [-r, r] has std r / sqrt(3)). The project's shared init checks read it.
     initializer_range: float | None = None

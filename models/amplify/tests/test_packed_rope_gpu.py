@@ -1,4 +1,4 @@
-"""AMPLIFY with rotary embeddings applied inside the QKV projection (packed_rope.py, the TE backend's default) gives
+"""AMPLIFY with rotary embeddings applied inside the QKV projection (packed_rope.py, ``fused_qkv_rope=True``) gives
 the numbers of TE's own RoPE path. The kernel itself is tested on CPU in models/esm2/tests/test_packed_rope.py."""
 
 import pytest
