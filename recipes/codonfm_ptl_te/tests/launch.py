@@ -32,6 +32,8 @@ def script_env(env: dict | None = None, cpu_only: bool = True) -> dict:
             "OMP_NUM_THREADS": "1",  # two ranks on two cores: more threads only oversubscribe
             "TOKENIZERS_PARALLELISM": "false",
             "WANDB_MODE": "disabled",
+            # A run killed at its timeout (below) prints every Python thread's stack: where it hung.
+            "PYTHONFAULTHANDLER": "1",
         }
     )
     if cpu_only:
@@ -55,21 +57,47 @@ def run_script(
     test shows why. ``cpu_only`` hides GPUs, so CPU tests mean the same thing on a GPU machine.
     """
     command = script_command(script, *args, nproc=nproc)
-    result = subprocess.run(
+    process = subprocess.Popen(
         command,
         cwd=RECIPE_DIR,
         env=script_env(env, cpu_only),
-        capture_output=True,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
         text=True,
-        timeout=timeout,
-        check=False,
     )
+    try:
+        stdout, stderr = process.communicate(timeout=timeout)
+    except subprocess.TimeoutExpired:
+        stdout, stderr = abort_process_tree(process)
+        raise AssertionError(
+            f"{' '.join(command)} did not finish in {timeout} s; the stacks of its Python processes when they were "
+            f"stopped are at the end of stderr\n--- stdout ---\n{stdout[-6000:]}\n--- stderr ---\n{stderr[-20000:]}"
+        ) from None
+    result = subprocess.CompletedProcess(command, process.returncode, stdout, stderr)
     if (result.returncode != 0) != expect_failure:
         raise AssertionError(
             f"{' '.join(command)} exited with {result.returncode}\n"
             f"--- stdout ---\n{result.stdout[-6000:]}\n--- stderr ---\n{result.stderr[-10000:]}"
         )
     return result
+
+
+def abort_process_tree(process: subprocess.Popen, grace_s: float = 5.0) -> tuple[str, str]:
+    """Stop a launched run that hangs, with every process under it (torchrun's ranks, data-loader workers), and
+    return its output. SIGABRT first: with ``PYTHONFAULTHANDLER=1`` each Python process writes the stack of every
+    thread to stderr; SIGKILL after ``grace_s`` for whatever is left. (``subprocess.run``'s timeout kills only the
+    launcher, and torchrun's ranks, each in a session of its own, would go on running.)"""
+    tree = _tree(process.pid)  # now: a rank whose launcher has died is no longer its descendant
+    for signum in (signal.SIGABRT, signal.SIGKILL):
+        for pid in tree:
+            with contextlib.suppress(ProcessLookupError, PermissionError):
+                os.kill(pid, signum)
+        if signum == signal.SIGABRT:
+            time.sleep(grace_s)
+    try:
+        return process.communicate(timeout=30)
+    except subprocess.TimeoutExpired:  # a process outside the tree still holds the pipes
+        return "", "(no output: a process started by the run still holds its pipes)"
 
 
 def assert_logs_read_well_off_a_terminal(result: subprocess.CompletedProcess) -> None:
