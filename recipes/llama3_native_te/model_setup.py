@@ -49,11 +49,16 @@ class BuiltModel:
     model_flops: ModelFlops
     strategy: str
     ddp: DistributedDataParallel | None = None
+    # FSDP2: free the gathered weights after every backward (True), or keep them from one micro-batch of a step
+    # to the next (False: no gather between micro-batches; the step's last backward frees them). fsdp.reshard_after_backward.
+    reshard_between_micro_batches: bool = True
 
     def gradient_sync(self, enabled: bool) -> contextlib.AbstractContextManager:
         """Reduce gradients in this backward (``enabled``) or only accumulate them locally (earlier micro-batches)."""
         if self.strategy == "fsdp2":
             self.model.set_requires_gradient_sync(enabled)
+            # The last micro-batch (``enabled``) always reshards: the optimizer steps on the shards.
+            self.model.set_reshard_after_backward(enabled or self.reshard_between_micro_batches)
             return contextlib.nullcontext()
         return self.ddp.no_sync() if self.ddp is not None and not enabled else contextlib.nullcontext()
 
@@ -126,4 +131,4 @@ def build_model(cfg: DictConfig, device: torch.device, meshes: Meshes | None, st
         train_model = ddp or model
     if cfg.use_torch_compile:
         train_model = torch.compile(train_model)
-    return BuiltModel(model, train_model, config, plan, model_flops, strategy, ddp)
+    return BuiltModel(model, train_model, config, plan, model_flops, strategy, ddp, cfg.fsdp.reshard_after_backward)

@@ -50,10 +50,15 @@ class BuiltModel:
     plan: QuantizationPlan
     model_flops: ModelFlops
     strategy: str
+    # Free the gathered weights after every backward (True), or keep them from one micro-batch of a step to the next
+    # (False: no gather between micro-batches; the step's last backward frees them). fsdp.reshard_after_backward.
+    reshard_between_micro_batches: bool = True
 
     def gradient_sync(self, enabled: bool) -> contextlib.AbstractContextManager:
         """Reduce gradients in this backward (``enabled``) or only accumulate them locally (earlier micro-batches)."""
         self.model.set_requires_gradient_sync(enabled)
+        # The last micro-batch (``enabled``) always reshards: the optimizer steps on the shards.
+        self.model.set_reshard_after_backward(enabled or self.reshard_between_micro_batches)
         return contextlib.nullcontext()
 
 
@@ -121,4 +126,4 @@ def build_model(cfg: DictConfig, device: torch.device, meshes: Meshes, strategy:
     if on_meta:
         model.init_empty_weights(device)
     train_model = torch.compile(model) if cfg.use_torch_compile else model
-    return BuiltModel(model, train_model, config, plan, model_flops, strategy)
+    return BuiltModel(model, train_model, config, plan, model_flops, strategy, cfg.fsdp.reshard_after_backward)

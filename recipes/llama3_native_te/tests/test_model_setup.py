@@ -17,6 +17,7 @@ from distributed import DistributedConfig, build_meshes
 from hydra import compose, initialize_config_dir
 from model_setup import build_model
 from torch.distributed.fsdp import FSDPModule, MixedPrecisionPolicy
+from torch.distributed.tensor import DTensor
 
 
 CONFIG_DIR = Path(__file__).resolve().parent.parent / "hydra_config"
@@ -88,3 +89,21 @@ def test_bf16_weights_without_fp32_master_weights(one_process_group):
 def test_unknown_strategy_fails():
     with pytest.raises(ValueError, match="strategy must be one of"):
         build_model(bf16_cfg(), torch.device("cpu"), None, strategy="zero3")
+
+
+@pytest.mark.parametrize("keep", [False, True], ids=["default", "reshard_after_backward=false"])
+def test_weights_stay_gathered_between_micro_batches_only_when_asked(one_process_group, keep):
+    """``fsdp.reshard_after_backward=false``: a micro-batch that does not sync gradients leaves the layers holding
+    their gathered weights (plain parameters), so the next micro-batch gathers nothing; the step's last micro-batch
+    frees them (sharded DTensors again, as the optimizer needs). By default every backward frees them."""
+    device = torch.device("cpu")
+    cfg = bf16_cfg(f"fsdp.reshard_after_backward={str(not keep).lower()}")
+    built = build_model(cfg, device, build_meshes(DistributedConfig(), device), strategy="fsdp2")
+    layer = built.model.model.layers[0]
+    input_ids = torch.tensor([[1, *b"ACGTTGCAACGTAAGG"]])
+    sharded_after = []
+    for last in (False, True):
+        with built.gradient_sync(last):
+            built.train_model(input_ids=input_ids, labels=input_ids).loss.backward()
+        sharded_after.append(all(isinstance(p, DTensor) for p in layer.parameters()))
+    assert sharded_after == [not keep, True]

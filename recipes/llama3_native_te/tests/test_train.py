@@ -98,6 +98,11 @@ def test_grad_accumulation_equals_one_larger_batch(tmp_path, script):
     for key, value in single.items():
         torch.testing.assert_close(accumulated[key], value, rtol=1e-5, atol=1e-6, msg=key)
     assert any(not torch.equal(single[k], initial[k]) for k in single)  # the step did change the weights
+    if script == "train_fsdp2.py":  # weights kept gathered between micro-batches: the same step, bit for bit
+        kept = ["fsdp.reshard_after_forward=false", "fsdp.reshard_after_backward=false"]
+        train(script, tmp_path / "kept", *common, "dataset.micro_batch_size=2", "grad_acc_steps=2", *kept, nproc=2)
+        for key, value in exported_weights(tmp_path / "kept").items():
+            torch.testing.assert_close(value, accumulated[key], rtol=0, atol=0, msg=key)
 
 
 @pytest.mark.parametrize(("script", "nproc"), [("train_ddp.py", None), ("train_fsdp2.py", 2)])

@@ -106,6 +106,11 @@ def test_grad_accumulation_equals_one_larger_batch(tmp_path):
     accumulated, single = exported_weights(tmp_path / "acc"), exported_weights(tmp_path / "big")
     for key, value in single.items():
         torch.testing.assert_close(accumulated[key], value, rtol=1e-5, atol=1e-6, msg=key)
+    # Weights kept gathered between the micro-batches (fsdp.reshard_after_*=false): the same step, bit for bit.
+    kept = ["fsdp.reshard_after_forward=false", "fsdp.reshard_after_backward=false"]
+    train(tmp_path / "kept", *common, "dataset.micro_batch_size=2", "grad_acc_steps=2", *kept)
+    for key, value in exported_weights(tmp_path / "kept").items():
+        torch.testing.assert_close(value, accumulated[key], rtol=0, atol=0, msg=key)
 
 
 def test_context_parallel_run_equals_a_one_process_run(tmp_path):
