@@ -121,6 +121,19 @@ def build_meshes(dist_config: DistributedConfig, device: torch.device, cp_size: 
     return Meshes(fsdp=mesh["dp", "cp"]._flatten("dp_cp"), dp=mesh["dp"], cp=mesh["cp"])
 
 
+def data_parallel_wrapper(model: torch.nn.Module, device: torch.device) -> DistributedDataParallel | None:
+    """``wrap_in_ddp(model, device)`` when the default process group has more than one rank, else None.
+
+    A process alone (``python train_ddp.py``, or ``torchrun --nproc_per_node=1``) has no gradients to average, and the
+    wrapper would still copy every gradient into its communication buckets, "all-reduce" them over one rank and copy
+    them back, and run its hooks in every backward: 3% of an FP8 ESM-2 650M step on one H100 (docs/benchmarks.md).
+    """
+    if not dist.is_initialized() or dist.get_world_size() == 1:
+        logger.info("One process: training the model without the DistributedDataParallel wrapper (nothing to average)")
+        return None
+    return wrap_in_ddp(model, device)
+
+
 def wrap_in_ddp(model: torch.nn.Module, device: torch.device) -> DistributedDataParallel:
     """``DistributedDataParallel`` over the default process group, without a buffer broadcast before every forward.
 

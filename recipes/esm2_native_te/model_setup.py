@@ -24,7 +24,7 @@ from dataclasses import dataclass
 import torch
 import torch.distributed as dist
 from activation_recompute import recompute_note
-from distributed import Meshes, wrap_in_ddp
+from distributed import Meshes, data_parallel_wrapper
 from mixed_precision import computes_in_bf16, keeps_fp32_master_weights, mixed_precision_policy
 from model_families import (
     PRETRAINED_MISMATCH,
@@ -169,8 +169,7 @@ def build_model(
     else:
         # The same random init on every rank (same seed), and DDP broadcasts rank 0's weights anyway. The buffers
         # (rotary frequencies, contact-head weights) never change: no per-step broadcast.
-        if dist.is_initialized():
-            ddp = wrap_in_ddp(model, device)
+        ddp = data_parallel_wrapper(model, device)  # None for a process alone
         train_model = ddp or model
     if cfg.use_torch_compile:
         train_model = torch.compile(train_model)

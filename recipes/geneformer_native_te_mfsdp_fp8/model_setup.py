@@ -23,10 +23,9 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import torch
-import torch.distributed as dist
 from activation_recompute import recompute_note
 from convert import convert_geneformer_hf_to_te, nv_config_from_hf
-from distributed import Meshes, wrap_in_ddp
+from distributed import Meshes, data_parallel_wrapper
 from gene_tokenizer import build_gene_tokenizer
 from mixed_precision import computes_in_bf16, keeps_fp32_master_weights, mixed_precision_policy
 from modeling_geneformer_te import NVGeneformerConfig, NVGeneformerForMaskedLM, resolve_backend
@@ -254,8 +253,7 @@ def build_model(cfg: DictConfig, device: torch.device, meshes: Meshes | None, st
         train_model = model
     else:
         # The same random init on every rank (same seed), and DDP broadcasts rank 0's weights anyway.
-        if dist.is_initialized():
-            ddp = wrap_in_ddp(model, device)
+        ddp = data_parallel_wrapper(model, device)  # None for a process alone
         train_model = ddp or model
     if cfg.use_torch_compile:
         train_model = torch.compile(train_model)

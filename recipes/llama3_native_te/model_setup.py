@@ -16,7 +16,7 @@ from dataclasses import dataclass
 import torch
 import torch.distributed as dist
 from activation_recompute import recompute_note
-from distributed import Meshes, wrap_in_ddp
+from distributed import Meshes, data_parallel_wrapper
 from mixed_precision import computes_in_bf16, keeps_fp32_master_weights, mixed_precision_policy
 from modeling_llama_te import NVLlamaConfig, NVLlamaForCausalLM, resolve_backend
 from omegaconf import DictConfig, OmegaConf
@@ -126,8 +126,7 @@ def build_model(cfg: DictConfig, device: torch.device, meshes: Meshes | None, st
     else:
         # The same random init on every rank (same seed), and DDP broadcasts rank 0's weights anyway. The buffers
         # (rotary frequencies) never change: no per-step broadcast.
-        if dist.is_initialized():
-            ddp = wrap_in_ddp(model, device)
+        ddp = data_parallel_wrapper(model, device)  # None for a process alone
         train_model = ddp or model
     if cfg.use_torch_compile:
         train_model = torch.compile(train_model)

@@ -25,9 +25,8 @@ import logging
 from dataclasses import dataclass
 
 import torch
-import torch.distributed as dist
 from convert import convert_vit_hf_to_te, nv_config_from_hf
-from distributed import Meshes, wrap_in_ddp
+from distributed import Meshes, data_parallel_wrapper
 from mixed_precision import computes_in_bf16, keeps_fp32_master_weights, mixed_precision_policy
 from modeling_vit_te import NVViTConfig, NVViTForImageClassification, resolve_backend, tensor_parallel_shard
 from omegaconf import DictConfig, OmegaConf
@@ -280,8 +279,7 @@ def build_model(
         train_model = model
     else:
         # The same random init on every rank (same seed), and DDP broadcasts rank 0's weights anyway.
-        if dist.is_initialized():
-            ddp = wrap_in_ddp(model, device)
+        ddp = data_parallel_wrapper(model, device)  # None for a process alone
         train_model = ddp or model
     if cfg.use_torch_compile:
         train_model = torch.compile(train_model)

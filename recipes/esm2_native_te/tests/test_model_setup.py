@@ -10,11 +10,12 @@ that the same probe then sees bf16, so the probe can fail.
 import warnings
 from pathlib import Path
 
+import distributed
 import model_setup
 import pytest
 import torch
 import torch.distributed as dist
-from distributed import DistributedConfig, build_meshes
+from distributed import DistributedConfig, build_meshes, data_parallel_wrapper, wrap_in_ddp
 from hydra import compose, initialize_config_dir
 from model_setup import build_model
 from torch.distributed.fsdp import FSDPModule, MixedPrecisionPolicy
@@ -93,14 +94,32 @@ def test_bf16_weights_without_fp32_master_weights(one_process_group):
     assert what_reaches_the_attention(built)["rotary"] == torch.float32
 
 
-def test_ddp_wraps_the_model_when_a_process_group_exists(one_process_group):
-    with warnings.catch_warnings():
-        warnings.simplefilter("error", FutureWarning)  # torch 2.13 deprecates DDP's broadcast_buffers
-        built = build_model(bf16_cfg(), torch.device("cpu"), None, strategy="ddp")
-    assert isinstance(built.train_model, DistributedDataParallel) and built.train_model.module is built.model
-    assert not built.train_model.will_sync_module_buffers()  # the rotary tables never change: no per-step broadcast
+def test_a_process_alone_trains_without_the_ddp_wrapper(one_process_group):
+    """One rank has nothing to average: the wrapper would only copy gradients to its buckets and back."""
+    built = build_model(bf16_cfg(), torch.device("cpu"), None, strategy="ddp")
+    assert built.ddp is None and built.train_model is built.model
+    with built.gradient_sync(False):  # accumulating micro-batches needs no wrapper either
+        pass
     assert built.config.num_hidden_layers == 2 and built.plan.layer_precision is None
     assert built.model_flops is not None
+
+
+def test_several_ranks_get_the_ddp_wrapper(one_process_group, monkeypatch):
+    model = build_model(bf16_cfg(), torch.device("cpu"), None, strategy="ddp").model
+    assert data_parallel_wrapper(model, torch.device("cpu")) is None
+    monkeypatch.setattr(distributed.dist, "get_world_size", lambda group=None: 2)  # what it decides on
+    ddp = data_parallel_wrapper(model, torch.device("cpu"))
+    assert isinstance(ddp, DistributedDataParallel) and ddp.module is model
+
+
+def test_the_ddp_wrapper_skips_the_per_step_buffer_broadcast(one_process_group):
+    """What several ranks get (``data_parallel_wrapper`` calls this when the group has more than one)."""
+    model = build_model(bf16_cfg(), torch.device("cpu"), None, strategy="ddp").model
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", FutureWarning)  # torch 2.13 deprecates DDP's broadcast_buffers
+        ddp = wrap_in_ddp(model, torch.device("cpu"))
+    assert isinstance(ddp, DistributedDataParallel) and ddp.module is model
+    assert not ddp.will_sync_module_buffers()  # the rotary tables never change: no per-step broadcast
 
 
 def test_unknown_strategy_fails():
