@@ -126,7 +126,8 @@ def data_parallel_wrapper(model: torch.nn.Module, device: torch.device) -> Distr
 
     A process alone (``python train_ddp.py``, or ``torchrun --nproc_per_node=1``) has no gradients to average, and the
     wrapper would still copy every gradient into its communication buckets, "all-reduce" them over one rank and copy
-    them back, and run its hooks in every backward: 3% of an FP8 ESM-2 650M step on one H100 (docs/benchmarks.md).
+    them back, and run its hooks in every backward: 1-2% of an ESM-2 650M step and 2.6 GB on one H100
+    (docs/benchmarks.md).
     """
     if not dist.is_initialized() or dist.get_world_size() == 1:
         logger.info("One process: training the model without the DistributedDataParallel wrapper (nothing to average)")
