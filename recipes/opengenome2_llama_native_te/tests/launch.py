@@ -7,6 +7,7 @@ import os
 import signal
 import subprocess
 import sys
+import threading
 import time
 from pathlib import Path
 
@@ -84,20 +85,32 @@ def run_script(
 
 def abort_process_tree(process: subprocess.Popen, grace_s: float = 5.0) -> tuple[str, str]:
     """Stop a launched run that hangs, with every process under it (torchrun's ranks, data-loader workers), and
-    return its output. SIGABRT first: with ``PYTHONFAULTHANDLER=1`` each Python process writes the stack of every
-    thread to stderr; SIGKILL after ``grace_s`` for whatever is left. (``subprocess.run``'s timeout kills only the
-    launcher, and torchrun's ranks, each in a session of its own, would go on running.)"""
-    tree = _tree(process.pid)  # now: a rank whose launcher has died is no longer its descendant
-    for signum in (signal.SIGABRT, signal.SIGKILL):
-        for pid in tree:
-            with contextlib.suppress(ProcessLookupError, PermissionError):
-                os.kill(pid, signum)
-        if signum == signal.SIGABRT:
-            time.sleep(grace_s)
-    try:
-        return process.communicate(timeout=30)
-    except subprocess.TimeoutExpired:  # a process outside the tree still holds the pipes
+    return its output. (``subprocess.run``'s timeout kills only the launcher, and torchrun's ranks, each in a session
+    of its own, would go on running.)
+
+    The whole tree is frozen first, so that no launcher sees a rank die and tears the others down before they report.
+    Then each process in turn, children before parents, gets SIGABRT and is let go: with ``PYTHONFAULTHANDLER=1`` it
+    writes the stack of every thread to stderr and exits. One at a time, because the processes share one stderr pipe
+    and their reports would otherwise interleave mid-line. A process still there after ``grace_s`` is SIGKILLed."""
+    # Read the pipes while the processes report, so that no report blocks on a full pipe.
+    output: list[tuple[str, str]] = []
+    reader = threading.Thread(target=lambda: output.append(process.communicate()), daemon=True)
+    reader.start()
+    frozen = _freeze_tree(process.pid)
+    for pid in reversed(frozen):  # found parents first: the reverse reports the ranks before their launcher
+        with contextlib.suppress(ProcessLookupError, PermissionError):
+            os.kill(pid, signal.SIGABRT)
+            os.kill(pid, signal.SIGCONT)
+        deadline = time.monotonic() + grace_s
+        while _alive(pid) and time.monotonic() < deadline:
+            time.sleep(0.01)
+    for pid in frozen:
+        with contextlib.suppress(ProcessLookupError, PermissionError):
+            os.kill(pid, signal.SIGKILL)
+    reader.join(timeout=30)
+    if not output:  # a process outside the tree still holds the pipes
         return "", "(no output: a process started by the run still holds its pipes)"
+    return output[0]
 
 
 def assert_logs_read_well_off_a_terminal(result: subprocess.CompletedProcess) -> None:
@@ -155,31 +168,38 @@ def start_script(
         )
 
 
-def _tree(pid: int) -> set[int]:
-    """``pid`` and its descendants, from ``/proc/<pid>/task/<tid>/children``."""
-    tree, pending = set(), [pid]
+def _tree(pid: int) -> list[int]:
+    """``pid`` and its descendants, parents before their children, from ``/proc/<pid>/task/<tid>/children``."""
+    tree, pending = [], [pid]
     while pending:
-        process = pending.pop()
-        tree.add(process)
+        process = pending.pop(0)
+        tree.append(process)
         for children in Path(f"/proc/{process}/task").glob("*/children"):
             with contextlib.suppress(OSError):  # the process or thread has just exited
-                pending += [int(child) for child in children.read_text().split()]
+                pending += [int(child) for child in children.read_text().split() if int(child) not in tree]
     return tree
 
 
-def kill_process_tree(pid: int) -> None:
-    """SIGKILL ``pid`` and all its descendants at one instant, as a node failure would (Linux: reads ``/proc``).
+def _freeze_tree(pid: int) -> list[int]:
+    """SIGSTOP ``pid`` and all its descendants; return them, parents first (Linux: reads ``/proc``).
 
-    ``os.killpg`` is not enough: torchrun starts each rank in a session of its own. So the whole tree is stopped first
-    (a stopped process cannot start another, nor notice that its parent died), then every process in it is killed.
+    ``os.killpg`` is not enough: torchrun starts each rank in a session of its own. A stopped process cannot start
+    another, nor notice that its parent or child died; the tree is read again until a pass finds no new process.
     """
-    stopped: set[int] = set()
-    while new := _tree(pid) - stopped:
+    stopped: list[int] = []
+    while new := [process for process in _tree(pid) if process not in stopped]:
         for process in new:
             with contextlib.suppress(ProcessLookupError):
                 os.kill(process, signal.SIGSTOP)
-        stopped |= new
+        stopped += new
         time.sleep(0.01)  # a fork that the stop interrupted completes first: look again for its child
+    return stopped
+
+
+def kill_process_tree(pid: int) -> None:
+    """SIGKILL ``pid`` and all its descendants at one instant, as a node failure would: the whole tree is frozen
+    first, then every process in it is killed."""
+    stopped = _freeze_tree(pid)
     for process in stopped:
         with contextlib.suppress(ProcessLookupError):
             os.kill(process, signal.SIGKILL)
