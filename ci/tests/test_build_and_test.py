@@ -255,14 +255,16 @@ def test_timeout_kills_the_component_and_fails(tmp_path):
                 def test_sleeps():
                     with open({str(pid_file)!r}, "w") as fh:
                         fh.write(str(os.getpid()))
-                    time.sleep(120)
+                    time.sleep(600)
             """
         },
     )
     make_component(tmp_path, "models/zippy")
     start = time.monotonic()
-    proc = run_ci(tmp_path, "--timeout", "3", timeout=60)
-    assert time.monotonic() - start < 30
+    # 20 s: room for pytest to start on a loaded two-core CI machine (with 3 s, zippy itself could time out there);
+    # the sleeper's 600 s are stopped far sooner.
+    proc = run_ci(tmp_path, "--timeout", "20", timeout=300)
+    assert time.monotonic() - start < 240
     assert proc.returncode == 1
     summary = proc.stdout.split("Summary")[1]
     assert "TIMEOUT" in summary
