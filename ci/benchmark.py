@@ -13,13 +13,16 @@ The recipe's perf logger does the measuring (see docs/benchmarks.md for the defi
 median unpadded tokens/s/GPU and MFU over the logged windows after warm-up, step time, peak memory. This script
 launches the run with checkpointing and export off, reads the run's ``summary.json`` and the resolved Hydra
 config, and prints the result as JSON and as a row of the docs/benchmarks.md table (``--markdown`` appends it and
-redraws the chart beside it, docs/benchmarks.svg).
+redraws the chart beside it, docs/benchmarks.svg). The run's whole output is also kept in the run directory
+(``benchmark.log``); a run that fails ends this script with one ``benchmark: error: ...`` line naming the cause (out of
+memory first) and that file.
 It must run on the machine being measured; it never asserts on a number.
 """
 
 import argparse
 import datetime
 import json
+import re
 import subprocess
 import sys
 import tempfile
@@ -160,6 +163,42 @@ def markdown_row(result: dict) -> str:
     return "| " + " | ".join(str(c) for c in cells) + " |"
 
 
+def run_and_log(command: list[str], cwd: Path, log: Path) -> int:
+    """Run ``command``, echoing its output (stdout and stderr, interleaved as printed) and keeping it in ``log``: a
+    failed run on a remote GPU machine is then explained by the file, not by a terminal that is gone."""
+    with (
+        log.open("w") as kept,
+        subprocess.Popen(
+            command, cwd=cwd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, errors="replace"
+        ) as process,
+    ):
+        for line in process.stdout:
+            sys.stdout.write(line)
+            kept.write(line)
+        sys.stdout.flush()
+    return process.returncode
+
+
+# The lines that name why a run failed: a Python exception ("torch.OutOfMemoryError: CUDA out of memory. ...") or a
+# recipe's own one-line refusal ("error: ..."). torchrun's summary of the failed child says nothing of the cause.
+_EXCEPTION_LINE = re.compile(r"^\s*(?:[A-Za-z_][\w.]*\.)?[A-Z]\w*(?:Error|Exception)\b.*")
+_USER_ERROR_LINE = re.compile(r"^(?:\S+: )?error: .+")
+
+
+def failure_cause(output: str) -> str:
+    """The most telling line of a failed run's output: running out of GPU memory first (every rank that hits it
+    prints a long traceback, and other errors follow it as ranks die), then the last exception or ``error:`` line
+    that is not torchrun's own report."""
+    lines = [line.strip() for line in output.splitlines()]
+    for line in reversed(lines):
+        if "OutOfMemoryError" in line or "CUDA out of memory" in line:
+            return f"out of memory ({line[:300]})"
+    for line in reversed(lines):
+        if ("ChildFailedError" not in line and _EXCEPTION_LINE.match(line)) or _USER_ERROR_LINE.match(line):
+            return line[:300]
+    return "no exception in its output"
+
+
 def run_benchmark(args: argparse.Namespace) -> dict:
     recipe = (REPO_ROOT / args.recipe).resolve() if not Path(args.recipe).is_absolute() else Path(args.recipe)
     if not (recipe / args.entrypoint).exists():
@@ -188,7 +227,14 @@ def run_benchmark(args: argparse.Namespace) -> dict:
         launcher = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={args.nproc}"]
     command = [*launcher, args.entrypoint, "--config-name", args.config, *overrides]
     print("+", " ".join(command), flush=True)
-    subprocess.run(command, cwd=recipe, check=True)
+    output_dir.mkdir(parents=True, exist_ok=True)
+    log = output_dir / "benchmark.log"
+    returncode = run_and_log(command, recipe, log)
+    if returncode != 0:
+        raise SystemExit(
+            f"benchmark: error: {args.entrypoint} exited with {returncode}: {failure_cause(log.read_text())} "
+            f"(its whole output: {log})"
+        )
     summary = json.loads((output_dir / "summary.json").read_text())
     cfg = resolved_config(recipe, args.config, overrides)
     accelerate_cfg = yaml.safe_load((recipe / args.accelerate_config).read_text()) if args.accelerate_config else None

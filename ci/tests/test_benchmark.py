@@ -149,3 +149,51 @@ def test_image_recipe_reports_images_and_tokens_per_micro_batch(tmp_path):
     assert result["input_format"] == "images of 65 tokens" and result["tokens_per_micro_batch"] == 8 * 65
     assert result["images_per_second_per_gpu"] == pytest.approx(result["tokens_per_second_per_gpu"] / 65)
     assert "images/s/GPU" in benchmark.markdown_row(result)
+
+
+TORCHRUN_AFTER_A_FAILED_RANK = """\
+[rank0]: Traceback (most recent call last):
+[rank0]:   File "train_ddp.py", line 80, in main
+[rank0]: torch.OutOfMemoryError: CUDA out of memory. Tried to allocate 2.00 GiB. GPU 0 has a total capacity of 79.1 GiB
+E1127 01:02:03 torch/distributed/elastic/multiprocessing/api.py:874] failed (exitcode: 1) local_rank: 0 (pid: 7)
+Traceback (most recent call last):
+torch.distributed.elastic.multiprocessing.errors.ChildFailedError:
+"""
+
+
+def test_failure_cause_names_out_of_memory_then_the_last_exception_or_user_error():
+    assert benchmark.failure_cause(TORCHRUN_AFTER_A_FAILED_RANK).startswith(
+        "out of memory ([rank0]: torch.OutOfMemoryError: CUDA out of memory. Tried to allocate 2.00 GiB."
+    )
+    crashed = "step 3/10 | loss 2.1\nTraceback (most recent call last):\nValueError: bad shape\nChildFailedError:\n"
+    assert benchmark.failure_cause(crashed) == "ValueError: bad shape"
+    refused = "Error executing job with overrides: [...]\nerror: dataset.path: no such file: /data/x.parquet\n"
+    assert benchmark.failure_cause(refused) == "error: dataset.path: no such file: /data/x.parquet"
+    assert benchmark.failure_cause("killed\n") == "no exception in its output"
+
+
+def test_a_failed_run_ends_in_one_error_line_and_keeps_its_output(tmp_path):
+    """A run that dies (here: a stand-in entrypoint that runs out of memory) is explained in the last line, and its
+    whole output stays in the run directory, where a remote machine's caller can fetch it."""
+    recipe = tmp_path / "recipe"
+    (recipe / "hydra_config").mkdir(parents=True)
+    (recipe / "hydra_config" / "tiny.yaml").write_text("dataset:\n  path: ???\n")
+    (recipe / "train.py").write_text(
+        "import sys\nprint('step 1/4 | loss 3.0')\n"
+        "print('torch.OutOfMemoryError: CUDA out of memory. Tried to allocate 9.00 GiB', file=sys.stderr)\n"
+        "sys.exit(1)\n"
+    )
+    run_dir = tmp_path / "run"
+    command = [
+        sys.executable, str(REPO_ROOT / "ci" / "benchmark.py"), "--recipe", str(recipe), "--entrypoint", "train.py",
+        "--config", "tiny", "--synthetic", "protein:8", "--output-dir", str(run_dir), "--json", str(tmp_path / "r.json"),
+    ]  # fmt: skip
+    result = subprocess.run(command, capture_output=True, text=True, timeout=300)
+    assert result.returncode == 1, result.stderr[-3000:]
+    last = result.stderr.strip().splitlines()[-1]
+    assert last.startswith("benchmark: error: train.py exited with 1: out of memory (torch.OutOfMemoryError"), last
+    assert str(run_dir / "benchmark.log") in last
+    kept = (run_dir / "benchmark.log").read_text()
+    assert "step 1/4 | loss 3.0" in kept and "Tried to allocate 9.00 GiB" in kept
+    assert "step 1/4 | loss 3.0" in result.stdout  # still echoed as it ran
+    assert not (tmp_path / "r.json").exists()
