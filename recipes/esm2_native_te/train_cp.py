@@ -22,7 +22,7 @@ from dataset import create_dataloader
 from distributed import build_meshes, cleanup_distributed, move_to_device, setup_distributed
 from grad_accumulation import count_targets, token_weights
 from model_families import load_tokenizer
-from model_setup import build_model
+from model_setup import build_model, build_optimizer
 from omegaconf import DictConfig, OmegaConf
 from perf_logger import PerfLogger, Profiler, quiet_progress_bars_off_a_terminal
 from quant_stats import QuantStats
@@ -52,7 +52,7 @@ def main(cfg: DictConfig) -> None:
     built = build_model(cfg, device, meshes, strategy="fsdp2", quant_stats=quant_stats)
     model = built.model
 
-    optimizer = torch.optim.AdamW(model.parameters(), **cfg.adamw_kwargs, fused=device.type == "cuda")
+    optimizer = build_optimizer(cfg, model, device)  # CompensatedAdamW for bf16 weights
     scheduler = get_linear_schedule_with_warmup(optimizer, **cfg.lr_scheduler_kwargs)
     # All CP ranks of a DP group read the same sequences (full batches); each keeps its own share of them below.
     dataloader = create_dataloader(

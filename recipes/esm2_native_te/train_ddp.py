@@ -19,7 +19,7 @@ from distributed import cleanup_distributed, move_to_device, setup_distributed
 from grad_accumulation import count_targets, token_weights
 from mixed_precision import computes_in_bf16
 from model_families import load_tokenizer
-from model_setup import build_model
+from model_setup import build_model, build_optimizer
 from omegaconf import DictConfig, OmegaConf
 from perf_logger import PerfLogger, Profiler, quiet_progress_bars_off_a_terminal
 from quant_stats import QuantStats
@@ -50,7 +50,7 @@ def main(cfg: DictConfig) -> None:
     use_bf16 = computes_in_bf16(cfg.mixed_precision, device)
 
     # Optimizer, schedule, data.
-    optimizer = torch.optim.AdamW(model.parameters(), **cfg.adamw_kwargs, fused=device.type == "cuda")
+    optimizer = build_optimizer(cfg, model, device)  # CompensatedAdamW for bf16 weights
     scheduler = get_linear_schedule_with_warmup(optimizer, **cfg.lr_scheduler_kwargs)
     dataloader = create_dataloader(
         cfg.dataset, tokenizer, dp_rank=dist_config.rank, dp_world_size=dist_config.world_size, seed=cfg.seed

@@ -15,9 +15,10 @@ import model_setup
 import pytest
 import torch
 import torch.distributed as dist
+from compensated_adamw import CompensatedAdamW
 from distributed import DistributedConfig, build_meshes, data_parallel_wrapper, wrap_in_ddp
 from hydra import compose, initialize_config_dir
-from model_setup import build_model
+from model_setup import build_model, build_optimizer
 from torch.distributed.fsdp import FSDPModule, MixedPrecisionPolicy
 from torch.nn.parallel import DistributedDataParallel
 from user_errors import ConfigError
@@ -92,6 +93,34 @@ def test_bf16_weights_without_fp32_master_weights(one_process_group):
     built = build_fsdp2(bf16_cfg("mixed_precision.fp32_master_weights=false"))
     assert all(p.dtype == torch.bfloat16 for p in built.model.parameters())
     assert what_reaches_the_attention(built)["rotary"] == torch.float32
+
+
+@pytest.mark.parametrize(
+    ("overrides", "expected"),
+    [
+        ([], torch.optim.AdamW),  # fp32 master weights
+        (["mixed_precision.fp32_master_weights=false"], CompensatedAdamW),
+        (
+            ["mixed_precision.fp32_master_weights=false", "mixed_precision.compensate_bf16_updates=false"],
+            torch.optim.AdamW,
+        ),
+    ],
+)
+def test_bf16_weights_get_the_compensated_optimizer(one_process_group, overrides, expected):
+    cfg = bf16_cfg(*overrides)
+    built = build_model(cfg, torch.device("cpu"), None, strategy="ddp")
+    optimizer = build_optimizer(cfg, built.model, torch.device("cpu"))
+    assert type(optimizer) is expected
+    assert optimizer.defaults["lr"] == cfg.adamw_kwargs.lr and optimizer.defaults["betas"] == tuple(
+        cfg.adamw_kwargs.betas
+    )
+
+
+def test_an_adamw_argument_the_compensated_optimizer_lacks_is_refused_by_name(one_process_group):
+    cfg = bf16_cfg("mixed_precision.fp32_master_weights=false", "+adamw_kwargs.amsgrad=true")
+    built = build_model(cfg, torch.device("cpu"), None, strategy="ddp")
+    with pytest.raises(ConfigError, match="adamw_kwargs.amsgrad .*compensate_bf16_updates=false"):
+        build_optimizer(cfg, built.model, torch.device("cpu"))
 
 
 def test_a_process_alone_trains_without_the_ddp_wrapper(one_process_group):
