@@ -95,6 +95,10 @@ class CompensatedAdamW(torch.optim.Optimizer):
                     local = _local(low)
                     local.copy_(random_low_bits(_local(param), self._generator(local.device)))
                 state["compensation"] = low
+        elif param.dtype == torch.bfloat16 and "compensation" not in state:
+            # Moments from torch's AdamW (a run resumed with compensate_bf16_updates switched on): the weights are
+            # trained bf16 values, their master values are those bf16 values, so the low bits start at zero.
+            state["compensation"] = torch.zeros_like(param, dtype=torch.int16, memory_format=torch.preserve_format)
         return state
 
     def load_state_dict(self, state_dict: dict) -> None:
@@ -114,6 +118,9 @@ class CompensatedAdamW(torch.optim.Optimizer):
             param = params_by_id[param_id]
             for key, value in tensors.items():
                 self.state[param][key] = value.to(device=param.device)
+        for state in self.state.values():  # torch's fused AdamW keeps the step count on the GPU: reading it would sync
+            if torch.is_tensor(state.get("step")) and state["step"].device.type != "cpu":
+                state["step"] = state["step"].cpu()
 
     def _generator(self, device: torch.device) -> torch.Generator:
         if device not in self._generators:

@@ -165,6 +165,23 @@ def test_state_dict_round_trip_continues_the_same_run():
         torch.testing.assert_close(a, b, rtol=0, atol=0)
 
 
+def test_a_run_of_torchs_adamw_resumes_with_zero_low_bits():
+    """Switching compensate_bf16_updates on when resuming: the moments carry over, the low bits start at zero."""
+    module = fresh_module()
+    params = bf16_parameters()
+    saved = train(torch.optim.AdamW, params, 5, 1e-4).state_dict()
+    optimizer = module.CompensatedAdamW(params, lr=1e-4, betas=(0.9, 0.98), weight_decay=0.01)
+    optimizer.load_state_dict(saved)
+    before = params[0].detach().clone()
+    for param, grad in zip(params, gradients(params, 5)):
+        param.grad = grad
+    optimizer.step()
+    state = optimizer.state[params[0]]
+    assert state["step"].item() == 6 and state["compensation"].dtype == torch.int16
+    master = master_weights(module, optimizer, params[0])
+    assert 0 < (master - before.float()).abs().max() < 1e-3  # one small step from the trained bf16 weights
+
+
 def test_float32_parameters_get_plain_adamw():
     module = fresh_module()
     master = [torch.nn.Parameter(p.detach().float()) for p in bf16_parameters()]
