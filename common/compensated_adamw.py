@@ -34,6 +34,7 @@ AdamW keys plus ``compensation``, so checkpoints save and restore it like any op
 """
 
 import math
+from dataclasses import asdict, dataclass
 
 import torch
 from torch.distributed.tensor import DTensor
@@ -159,17 +160,17 @@ class CompensatedAdamW(torch.optim.Optimizer):
         return loss
 
 
+@dataclass(frozen=True)
 class AdamWScalars:
     """The per-step numbers of one AdamW update, shared by the Triton kernel and the torch path."""
 
-    def __init__(self, decay, one_minus_beta1, beta2, one_minus_beta2, step_size, sqrt_bias_correction2, eps):
-        self.decay = decay
-        self.one_minus_beta1 = one_minus_beta1
-        self.beta2 = beta2
-        self.one_minus_beta2 = one_minus_beta2
-        self.step_size = step_size
-        self.sqrt_bias_correction2 = sqrt_bias_correction2
-        self.eps = eps
+    decay: float
+    one_minus_beta1: float
+    beta2: float
+    one_minus_beta2: float
+    step_size: float
+    sqrt_bias_correction2: float
+    eps: float
 
 
 def random_low_bits(param: torch.Tensor, generator: torch.Generator) -> torch.Tensor:
@@ -215,15 +216,17 @@ def compensated_adamw_update(param, grad, exp_avg, exp_avg_sq, low, scalars: Ada
 def update_with_torch(param, grad, exp_avg, exp_avg_sq, low, scalars: AdamWScalars) -> None:
     """The reference arithmetic: torch's (single-tensor) AdamW in float32, on the joined master weights."""
     f32 = torch.float32
+    s = AdamWScalars(
+        **{name: torch.tensor(value, dtype=f32) for name, value in asdict(scalars).items()}
+    )  # as the kernel
     g = grad.to(f32)
     m = exp_avg.to(f32)
-    m = m + (g - m) * torch.tensor(scalars.one_minus_beta1, dtype=f32)  # lerp(m, g, 1 - beta1)
-    beta2, one_minus_beta2 = (torch.tensor(x, dtype=f32) for x in (scalars.beta2, scalars.one_minus_beta2))
-    v = exp_avg_sq.to(f32) * beta2 + one_minus_beta2 * g * g  # addcmul's order: value * grad * grad
-    denom = v.sqrt() / torch.tensor(scalars.sqrt_bias_correction2, dtype=f32) + torch.tensor(scalars.eps, dtype=f32)
+    m = m + (g - m) * s.one_minus_beta1  # lerp(m, g, 1 - beta1)
+    v = exp_avg_sq.to(f32) * s.beta2 + s.one_minus_beta2 * g * g  # addcmul's order: value * grad * grad
+    denom = v.sqrt() / s.sqrt_bias_correction2 + s.eps
     master = param.to(f32) if low is None else join_master(param, low)
-    master = master * torch.tensor(scalars.decay, dtype=f32)
-    master = master - torch.tensor(scalars.step_size, dtype=f32) * (m / denom)
+    master = master * s.decay
+    master = master - s.step_size * (m / denom)
     if low is None:
         param.copy_(master)
     else:

@@ -187,8 +187,8 @@ def build_optimizer(cfg: DictConfig, model: torch.nn.Module, device: torch.devic
     """AdamW with ``cfg.adamw_kwargs`` over the model built by ``build_model`` (DDP, FSDP2 and CP entrypoints).
 
     torch's AdamW (fused on CUDA), except for bf16 weights (``mixed_precision.fp32_master_weights: false``) with
-    ``mixed_precision.compensate_bf16_updates: true`` (the default): then ``CompensatedAdamW``, which keeps what each
-    bf16 update rounds away, so that small updates (warm-up, the end of a decay) are not lost. Plain AdamW on bf16
+    ``mixed_precision.compensate_bf16_updates: true`` (the default): then ``CompensatedAdamW``, which keeps the 16 low
+    bits of each weight's fp32 master value, so that small updates (warm-up, the end of a decay) are not lost. Plain AdamW on bf16
     weights falls far behind fp32 master weights early in a run (docs/benchmarks.md).
     """
     mp_cfg = cfg.mixed_precision
@@ -201,7 +201,7 @@ def build_optimizer(cfg: DictConfig, model: torch.nn.Module, device: torch.devic
                 "mixed_precision.compensate_bf16_updates=true (CompensatedAdamW takes "
                 f"{', '.join(COMPENSATED_ADAMW_KWARGS)}): remove it, or set mixed_precision.compensate_bf16_updates=false"
             )
-        logger.info("Optimizer: CompensatedAdamW (bf16 weights, the rounding error of each update kept)")
+        logger.info("Optimizer: CompensatedAdamW (bf16 weights with the 16 low bits of their fp32 master values)")
         return CompensatedAdamW(model.parameters(), **cfg.adamw_kwargs)
     return torch.optim.AdamW(model.parameters(), **cfg.adamw_kwargs, fused=device.type == "cuda")
 
