@@ -11,6 +11,11 @@ It reports, per step: the wall time the profiled window spans, the time at least
 running ("GPU busy"; the rest is the GPU waiting for the host), the number of kernels launched, and the kernel time
 of each group (GEMM, attention, RoPE, norms, FP8 quantisation, activations, elementwise, optimizer, communication,
 ...). Kernel times on different streams can overlap, so the groups may add up to more than "GPU busy".
+
+``--gaps K`` also answers "what is the host doing while the GPU waits": every stretch with no kernel running is
+charged to the host operator that launched the kernel ending it (the outermost operator on the launching thread,
+e.g. ``Optimizer.step#CompensatedAdamW.step`` or an autograd ``evaluate_function``), and the K longest stretches are
+listed with the kernels around them.
 """
 
 import argparse
@@ -42,6 +47,10 @@ KERNEL_GROUPS: tuple[tuple[str, re.Pattern], ...] = tuple(
 )
 OTHER = "other"
 GPU_CATEGORIES = {"kernel", "gpu_memcpy", "gpu_memset"}
+# Host events that can enclose a kernel launch, and the launches themselves (matched to kernels by "correlation").
+HOST_OP_CATEGORIES = {"cpu_op", "user_annotation", "python_function"}
+LAUNCH_CATEGORIES = {"cuda_runtime", "cuda_driver"}
+NO_HOST_OP = "(no host operator around the launch)"
 
 
 def kernel_group(name: str) -> str:
@@ -82,16 +91,7 @@ def summarise(trace: dict, steps: int) -> StepProfile:
     """Group the GPU events of ``trace`` (a loaded Chrome trace) and divide by the number of profiled ``steps``."""
     if steps < 1:
         raise ValueError(f"steps must be at least 1, got {steps}")
-    events = trace.get("traceEvents") if isinstance(trace, dict) else None
-    if events is None:
-        raise ValueError(
-            "not a Chrome trace: no 'traceEvents' list (write it with torch.profiler export_chrome_trace)"
-        )
-    gpu_events = [
-        e for e in events if e.get("ph") == "X" and e.get("cat") in GPU_CATEGORIES and float(e.get("dur", 0)) > 0
-    ]
-    if not gpu_events:
-        raise ValueError("the trace holds no GPU kernels: was it recorded on a CUDA device with CUDA activity on?")
+    gpu_events = _gpu_events(trace)
     intervals = [(float(e["ts"]), float(e["ts"]) + float(e["dur"])) for e in gpu_events]
     group_us: dict[str, float] = {}
     group_count: dict[str, int] = {}
@@ -113,6 +113,125 @@ def summarise(trace: dict, steps: int) -> StepProfile:
         group_count={g: round(c / steps) for g, c in group_count.items()},
         kernel_us={g: {n: t / steps for n, t in names.items()} for g, names in kernel_us.items()},
     )
+
+
+@dataclass
+class IdleGap:
+    """A stretch of the profiled window in which no kernel or copy ran on the GPU."""
+
+    start_us: float
+    length_us: float
+    kernel_before: str
+    kernel_after: str
+    host_outer: str  # the outermost host operator around the launch of ``kernel_after``
+    host_inner: str  # the innermost one (an aten op, a TE function, ...)
+
+
+def _gpu_events(trace: dict) -> list[dict]:
+    events = trace.get("traceEvents") if isinstance(trace, dict) else None
+    if events is None:
+        raise ValueError(
+            "not a Chrome trace: no 'traceEvents' list (write it with torch.profiler export_chrome_trace)"
+        )
+    gpu_events = [
+        e for e in events if e.get("ph") == "X" and e.get("cat") in GPU_CATEGORIES and float(e.get("dur", 0)) > 0
+    ]
+    if not gpu_events:
+        raise ValueError("the trace holds no GPU kernels: was it recorded on a CUDA device with CUDA activity on?")
+    return gpu_events
+
+
+def _host_ops_at(trace_events: list[dict], launches: dict[int, dict]) -> dict[int, tuple[str, str]]:
+    """For each launch (by correlation id): the outermost and innermost host operator enclosing it on its thread.
+
+    One sweep per thread over operators sorted by start time, keeping the stack of operators still open; profiler
+    step markers (``ProfilerStep#N``) are not operators and are skipped.
+    """
+    ops_by_thread: dict[tuple, list[tuple[float, float, str]]] = {}
+    for event in trace_events:
+        if event.get("ph") != "X" or event.get("cat") not in HOST_OP_CATEGORIES:
+            continue
+        name = event.get("name", "")
+        if name.startswith("ProfilerStep#"):
+            continue
+        start = float(event["ts"])
+        ops_by_thread.setdefault((event.get("pid"), event.get("tid")), []).append(
+            (start, start + float(event.get("dur", 0)), name)
+        )
+    queries_by_thread: dict[tuple, list[tuple[float, int]]] = {}
+    for correlation, launch in launches.items():
+        queries_by_thread.setdefault((launch.get("pid"), launch.get("tid")), []).append(
+            (float(launch["ts"]), correlation)
+        )
+
+    found: dict[int, tuple[str, str]] = {}
+    for thread, queries in queries_by_thread.items():
+        # Longer operators first among equal starts, so a parent is pushed before the child it encloses.
+        ops = sorted(ops_by_thread.get(thread, []), key=lambda op: (op[0], -op[1]))
+        stack: list[tuple[float, float, str]] = []
+        next_op = 0
+        for time, correlation in sorted(queries):
+            while next_op < len(ops) and ops[next_op][0] <= time:
+                while stack and stack[-1][1] < ops[next_op][0]:
+                    stack.pop()
+                stack.append(ops[next_op])
+                next_op += 1
+            while stack and stack[-1][1] < time:
+                stack.pop()
+            open_ops = [op for op in stack if op[1] >= time]
+            found[correlation] = (open_ops[0][2], open_ops[-1][2]) if open_ops else (NO_HOST_OP, NO_HOST_OP)
+    return found
+
+
+def idle_gaps(trace: dict, min_us: float = 0.0) -> list[IdleGap]:
+    """Every stretch of at least ``min_us`` between the first and the last GPU event in which the GPU ran nothing."""
+    gpu_events = sorted(_gpu_events(trace), key=lambda e: float(e["ts"]))
+    gaps: list[tuple[float, float, dict, dict]] = []
+    busy_until, last_event = float("-inf"), None
+    for event in gpu_events:
+        start, end = float(event["ts"]), float(event["ts"]) + float(event["dur"])
+        if last_event is not None and start - busy_until > min_us and start > busy_until:
+            gaps.append((busy_until, start - busy_until, last_event, event))
+        if end > busy_until:
+            busy_until, last_event = end, event
+    launches = {}
+    wanted = {e.get("args", {}).get("correlation") for _, _, _, e in gaps}
+    for event in trace["traceEvents"]:
+        if event.get("cat") in LAUNCH_CATEGORIES:
+            correlation = event.get("args", {}).get("correlation")
+            if correlation in wanted:
+                launches[correlation] = event
+    host_ops = _host_ops_at(trace["traceEvents"], launches)
+    result = []
+    for start, length, before, after in gaps:
+        outer, inner = host_ops.get(after.get("args", {}).get("correlation"), (NO_HOST_OP, NO_HOST_OP))
+        result.append(IdleGap(start, length, before.get("name", ""), after.get("name", ""), outer, inner))
+    return result
+
+
+def render_gaps(gaps: list[IdleGap], steps: int, count: int) -> str:
+    """Idle time per step by the host operator that ended it, then the ``count`` longest gaps."""
+    ms = 1e-3
+    idle: dict[str, list[float]] = {}
+    for gap in gaps:
+        idle.setdefault(gap.host_outer, []).append(gap.length_us)
+    total = sum(gap.length_us for gap in gaps)
+    lines = [
+        f"GPU idle {total / steps * ms:.1f} ms per step in {len(gaps) / steps:.0f} gaps, charged to the host "
+        "operator that launched the kernel ending each gap:",
+        "",
+        "| host operator (outermost) | idle ms/step | gaps/step |",
+        "|---|---|---|",
+    ]
+    for name, lengths in sorted(idle.items(), key=lambda item: -sum(item[1]))[: max(count, 10)]:
+        lines.append(f"| {name[:100]} | {sum(lengths) / steps * ms:.2f} | {len(lengths) / steps:.0f} |")
+    lines += ["", f"The {count} longest gaps:", ""]
+    for gap in sorted(gaps, key=lambda g: -g.length_us)[:count]:
+        lines.append(
+            f"- {gap.length_us * ms:.2f} ms at +{gap.start_us * ms:.1f} ms: after {gap.kernel_before[:60]}, "
+            f"before {gap.kernel_after[:60]}; host in {gap.host_outer[:80]} > {gap.host_inner[:60]}"
+        )
+    return "\n".join(lines)
 
 
 def _largest(profile: StepProfile, group: str, count: int) -> list[tuple[str, float]]:
@@ -155,12 +274,18 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--steps", type=int, required=True, help="optimizer steps in the trace (end - start + 1)")
     parser.add_argument("--title", default="", help="a heading for the table")
     parser.add_argument("--kernels", type=int, default=0, help="also list the K largest kernels of every group")
+    parser.add_argument(
+        "--gaps", type=int, default=0, help="also charge the GPU's idle time to host operators and list the K longest"
+    )
     args = parser.parse_args(argv)
     if not args.trace.is_file():
         parser.error(f"no trace at {args.trace}")
     try:
         trace = json.loads(args.trace.read_text())
         print(render(summarise(trace, args.steps), args.title, args.kernels))
+        if args.gaps > 0:
+            print()
+            print(render_gaps(idle_gaps(trace), args.steps, args.gaps))
     except (ValueError, json.JSONDecodeError) as error:
         print(f"profile_summary: {args.trace}: {error}", file=sys.stderr)
         return 2

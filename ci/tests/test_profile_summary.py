@@ -114,3 +114,66 @@ def test_largest_kernels_of_each_group_on_request():
     assert "- GEMM" not in profile_summary.render(profile)
     text = profile_summary.render(profile, kernels_per_group=1)
     assert text.splitlines()[-1] == "- GEMM: gemm_big 0.06 ms"
+
+
+def host(name, ts, dur, tid, cat="cpu_op"):
+    return {"ph": "X", "cat": cat, "name": name, "ts": ts, "dur": dur, "pid": 1, "tid": tid}
+
+
+def launch(correlation, ts, tid):
+    return {
+        "ph": "X", "cat": "cuda_runtime", "name": "cudaLaunchKernel", "ts": ts, "dur": 2, "pid": 1, "tid": tid,
+        "args": {"correlation": correlation},
+    }  # fmt: skip
+
+
+def launched_kernel(name, ts, dur, correlation):
+    event = kernel(name, ts, dur)
+    event["args"] = {"correlation": correlation}
+    return event
+
+
+# The GPU idles twice: 30 us waiting for the optimizer's host work (main thread), 10 us for a backward function
+# (autograd's thread). The gap between two overlapping kernels is not idle time.
+GAP_TRACE = {
+    "traceEvents": [
+        host("ProfilerStep#1", 0, 400, tid=1, cat="user_annotation"),  # a step marker, not an operator
+        host("Optimizer.step#AdamW.step", 100, 200, tid=1, cat="user_annotation"),
+        host("aten::_foreach_add_", 150, 20, tid=1),
+        launch(11, 155, tid=1),
+        host("autograd::engine::evaluate_function: MmBackward0", 0, 60, tid=2),
+        host("aten::mm", 20, 30, tid=2),
+        launch(10, 25, tid=2),
+        launched_kernel("gemm_a", 0, 50, correlation=9),
+        launched_kernel("gemm_b", 60, 40, correlation=10),  # 10 us idle before it
+        launched_kernel("gemm_overlapping", 90, 40, correlation=12),
+        launched_kernel("multi_tensor_apply_kernel", 160, 20, correlation=11),  # 30 us idle before it
+    ]
+}
+
+
+def test_idle_time_is_charged_to_the_host_operator_that_launched_the_next_kernel():
+    gaps = profile_summary.idle_gaps(GAP_TRACE)
+    assert [(g.start_us, g.length_us) for g in gaps] == [(50.0, 10.0), (130.0, 30.0)]
+    assert gaps[0].kernel_before == "gemm_a" and gaps[0].kernel_after == "gemm_b"
+    assert (gaps[0].host_outer, gaps[0].host_inner) == ("autograd::engine::evaluate_function: MmBackward0", "aten::mm")
+    assert gaps[1].kernel_before == "gemm_overlapping"  # the kernel that ran last, not the one that started last
+    assert (gaps[1].host_outer, gaps[1].host_inner) == ("Optimizer.step#AdamW.step", "aten::_foreach_add_")
+    assert [g.length_us for g in profile_summary.idle_gaps(GAP_TRACE, min_us=15)] == [30.0]
+
+    text = profile_summary.render_gaps(gaps, steps=2, count=1)
+    assert text.splitlines()[0].startswith("GPU idle 0.0 ms per step in 1 gaps")
+    assert "| Optimizer.step#AdamW.step | 0.01 | 0 |" in text  # 30 us over 2 steps, largest first
+    assert text.index("Optimizer.step") < text.index("MmBackward0")
+    assert text.splitlines()[-1].startswith("- 0.03 ms at +0.1 ms: after gemm_overlapping, before multi_tensor")
+
+
+def test_a_kernel_without_its_launch_in_the_trace_is_charged_to_no_operator(tmp_path, capsys):
+    trace = {"traceEvents": [launched_kernel("a", 0, 10, correlation=1), launched_kernel("b", 20, 10, correlation=2)]}
+    (gap,) = profile_summary.idle_gaps(trace)
+    assert gap.host_outer == profile_summary.NO_HOST_OP
+    path = tmp_path / "trace.json"
+    path.write_text(json.dumps(GAP_TRACE))
+    assert profile_summary.main([str(path), "--steps", "1", "--gaps", "2"]) == 0
+    out = capsys.readouterr().out
+    assert "| GEMM |" in out and "GPU idle 0.0 ms per step in 2 gaps" in out
