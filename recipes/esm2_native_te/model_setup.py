@@ -26,7 +26,7 @@ from dataclasses import dataclass
 import torch
 import torch.distributed as dist
 from activation_recompute import recompute_note
-from compensated_adamw import CompensatedAdamW
+from adamw import build_adamw
 from distributed import Meshes, data_parallel_wrapper
 from mixed_precision import computes_in_bf16, keeps_fp32_master_weights, mixed_precision_policy
 from model_families import (
@@ -179,31 +179,10 @@ def build_model(
     return BuiltModel(model, train_model, config, plan, model_flops, strategy, ddp)
 
 
-# The arguments CompensatedAdamW shares with torch.optim.AdamW (it has no amsgrad, maximize, foreach, ...).
-COMPENSATED_ADAMW_KWARGS = ("lr", "betas", "eps", "weight_decay")
-
-
 def build_optimizer(cfg: DictConfig, model: torch.nn.Module, device: torch.device) -> torch.optim.Optimizer:
-    """AdamW with ``cfg.adamw_kwargs`` over the model built by ``build_model`` (DDP, FSDP2 and CP entrypoints).
-
-    torch's AdamW (fused on CUDA), except for bf16 weights (``mixed_precision.fp32_master_weights: false``) with
-    ``mixed_precision.compensate_bf16_updates: true`` (the default): then ``CompensatedAdamW``, which keeps the 16 low
-    bits of each weight's fp32 master value, so that small updates (warm-up, the end of a decay) are not lost. Plain AdamW on bf16
-    weights falls far behind fp32 master weights early in a run (docs/benchmarks.md).
-    """
-    mp_cfg = cfg.mixed_precision
-    bf16_weights = computes_in_bf16(mp_cfg, device) and not keeps_fp32_master_weights(mp_cfg, device)
-    if bf16_weights and mp_cfg.compensate_bf16_updates:
-        unsupported = sorted(set(cfg.adamw_kwargs) - set(COMPENSATED_ADAMW_KWARGS))
-        if unsupported:
-            raise ConfigError(
-                f"adamw_kwargs.{unsupported[0]} is not supported with bf16 weights and "
-                "mixed_precision.compensate_bf16_updates=true (CompensatedAdamW takes "
-                f"{', '.join(COMPENSATED_ADAMW_KWARGS)}): remove it, or set mixed_precision.compensate_bf16_updates=false"
-            )
-        logger.info("Optimizer: CompensatedAdamW (bf16 weights with the 16 low bits of their fp32 master values)")
-        return CompensatedAdamW(model.parameters(), **cfg.adamw_kwargs)
-    return torch.optim.AdamW(model.parameters(), **cfg.adamw_kwargs, fused=device.type == "cuda")
+    """AdamW with ``cfg.adamw_kwargs`` over the model built by ``build_model`` (DDP, FSDP2 and CP entrypoints):
+    torch's for fp32 weights, ``CompensatedAdamW`` for bf16 weights (adamw.py)."""
+    return build_adamw(model.parameters(), cfg, device)
 
 
 def log_model(model: torch.nn.Module, config) -> None:

@@ -12,6 +12,7 @@ from pathlib import Path
 
 import hydra
 import torch
+from adamw import build_adamw
 from checkpoint import Checkpointer, export_final_model, gather_full_state_dict
 from dataset import create_dataloader
 from distributed import cleanup_distributed, move_to_device, setup_distributed
@@ -45,7 +46,7 @@ def main(cfg: DictConfig) -> None:
     use_bf16 = computes_in_bf16(cfg.mixed_precision, device)
 
     # Optimizer, schedule, data.
-    optimizer = torch.optim.AdamW(model.parameters(), **cfg.adamw_kwargs, fused=device.type == "cuda")
+    optimizer = build_adamw(model.parameters(), cfg, device)  # CompensatedAdamW for bf16 weights
     scheduler = get_linear_schedule_with_warmup(optimizer, **cfg.lr_scheduler_kwargs)
     dataloader = create_dataloader(
         cfg.dataset, tokenizer, dp_rank=dist_config.rank, dp_world_size=dist_config.world_size, seed=cfg.seed

@@ -15,6 +15,7 @@ from pathlib import Path
 
 import hydra
 import torch
+from adamw import build_adamw
 from checkpoint import Checkpointer, export_final_model, gather_full_state_dict
 from collator import pad_token_id
 from context_parallel import shard_for_context_parallel
@@ -52,7 +53,7 @@ def main(cfg: DictConfig) -> None:
     built = build_model(cfg, device, meshes, strategy="fsdp2")
     model = built.model
 
-    optimizer = torch.optim.AdamW(model.parameters(), **cfg.adamw_kwargs, fused=device.type == "cuda")
+    optimizer = build_adamw(model.parameters(), cfg, device)  # CompensatedAdamW for bf16 weights
     scheduler = get_linear_schedule_with_warmup(optimizer, **cfg.lr_scheduler_kwargs)
     # All CP ranks of a DP group read the same windows; each keeps its own share of every batch below.
     dataloader = create_dataloader(

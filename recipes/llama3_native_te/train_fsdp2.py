@@ -13,6 +13,7 @@ from pathlib import Path
 
 import hydra
 import torch
+from adamw import build_adamw
 from checkpoint import Checkpointer, export_final_model, gather_full_state_dict
 from collator import pad_token_id
 from dataset import create_dataloader
@@ -48,7 +49,7 @@ def main(cfg: DictConfig) -> None:
     model = built.model
 
     # Optimizer, schedule, data (each data-parallel rank reads its own shard).
-    optimizer = torch.optim.AdamW(model.parameters(), **cfg.adamw_kwargs, fused=device.type == "cuda")
+    optimizer = build_adamw(model.parameters(), cfg, device)  # CompensatedAdamW for bf16 weights
     scheduler = get_linear_schedule_with_warmup(optimizer, **cfg.lr_scheduler_kwargs)
     dataloader = create_dataloader(
         cfg.dataset, tokenizer, dp_rank=meshes.dp_rank, dp_world_size=meshes.dp_size, seed=cfg.seed

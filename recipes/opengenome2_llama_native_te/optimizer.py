@@ -12,6 +12,7 @@ and torch backends alike and for FSDP2-sharded parameters (a DTensor's ``ndim`` 
 """
 
 import torch
+from adamw import build_adamw
 from torch import nn
 
 
@@ -28,16 +29,13 @@ def split_decay_parameters(model: nn.Module, embedding_weight_decay: bool = Fals
     return decay, no_decay
 
 
-def build_optimizer(
-    model: nn.Module, adamw_kwargs: dict, embedding_weight_decay: bool = False, fused: bool = False
-) -> torch.optim.AdamW:
-    """AdamW over two groups: ``adamw_kwargs["weight_decay"]`` for weight matrices, 0 for the rest."""
-    kwargs = dict(adamw_kwargs)
-    weight_decay = kwargs.pop("weight_decay", 0.0)
-    decay, no_decay = split_decay_parameters(model, embedding_weight_decay)
+def build_optimizer(model: nn.Module, cfg, device: torch.device) -> torch.optim.Optimizer:
+    """AdamW (adamw.py: ``CompensatedAdamW`` for bf16 weights) over two groups: ``cfg.adamw_kwargs.weight_decay`` for
+    weight matrices, 0 for the rest (and for the input embeddings unless ``cfg.embedding_weight_decay``)."""
+    decay, no_decay = split_decay_parameters(model, bool(cfg.embedding_weight_decay))
     params = dict(model.named_parameters())
     groups = [
-        {"params": [params[name] for name in decay], "weight_decay": weight_decay},
+        {"params": [params[name] for name in decay], "weight_decay": cfg.adamw_kwargs.get("weight_decay", 0.0)},
         {"params": [params[name] for name in no_decay], "weight_decay": 0.0},
     ]
-    return torch.optim.AdamW([group for group in groups if group["params"]], **kwargs, fused=fused)
+    return build_adamw([group for group in groups if group["params"]], cfg, device)

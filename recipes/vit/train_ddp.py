@@ -13,6 +13,7 @@ from pathlib import Path
 
 import hydra
 import torch
+from adamw import build_adamw
 from checkpoint import Checkpointer, export_final_model, gather_full_state_dict
 from dataset import create_dataloaders
 from distributed import cleanup_distributed, move_to_device, setup_distributed
@@ -54,7 +55,7 @@ def main(cfg: DictConfig) -> None:
     built = build_model(cfg, device, meshes=None, strategy="ddp", class_names=class_names)
     model = built.model
     use_bf16 = computes_in_bf16(cfg.mixed_precision, device)
-    optimizer = torch.optim.AdamW(model.parameters(), **cfg.adamw_kwargs, fused=device.type == "cuda")
+    optimizer = build_adamw(model.parameters(), cfg, device)  # CompensatedAdamW for bf16 weights
     scheduler = get_linear_schedule_with_warmup(optimizer, **cfg.lr_scheduler_kwargs)
 
     # Resume from the newest complete checkpoint (model, optimizer, schedule, data position, RNG).

@@ -14,6 +14,7 @@ from pathlib import Path
 
 import hydra
 import torch
+from adamw import build_adamw
 from checkpoint import Checkpointer, export_final_model, gather_full_state_dict
 from dataset import create_dataloaders
 from distributed import build_meshes, cleanup_distributed, move_to_device, setup_distributed
@@ -50,7 +51,7 @@ def main(cfg: DictConfig) -> None:
     # loading them from model_tag with init_from_pretrained). fp32 master weights are cast to bf16 per layer.
     built = build_model(cfg, device, meshes, strategy="fsdp2", class_names=class_names)
     model = built.model
-    optimizer = torch.optim.AdamW(model.parameters(), **cfg.adamw_kwargs, fused=device.type == "cuda")
+    optimizer = build_adamw(model.parameters(), cfg, device)  # CompensatedAdamW for bf16 weights
     scheduler = get_linear_schedule_with_warmup(optimizer, **cfg.lr_scheduler_kwargs)
 
     # Resume from the newest complete checkpoint (sharded model/optimizer, schedule, data position, RNG).

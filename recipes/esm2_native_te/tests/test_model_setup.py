@@ -116,13 +116,6 @@ def test_bf16_weights_get_the_compensated_optimizer(one_process_group, overrides
     )
 
 
-def test_an_adamw_argument_the_compensated_optimizer_lacks_is_refused_by_name(one_process_group):
-    cfg = bf16_cfg("mixed_precision.fp32_master_weights=false", "+adamw_kwargs.amsgrad=true")
-    built = build_model(cfg, torch.device("cpu"), None, strategy="ddp")
-    with pytest.raises(ConfigError, match="adamw_kwargs.amsgrad .*compensate_bf16_updates=false"):
-        build_optimizer(cfg, built.model, torch.device("cpu"))
-
-
 def test_a_process_alone_trains_without_the_ddp_wrapper(one_process_group):
     """One rank has nothing to average: the wrapper would only copy gradients to its buckets and back."""
     built = build_model(bf16_cfg(), torch.device("cpu"), None, strategy="ddp")

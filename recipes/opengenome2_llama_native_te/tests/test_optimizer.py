@@ -2,7 +2,9 @@
 
 import pytest
 import torch
+from compensated_adamw import CompensatedAdamW
 from modeling_llama_te import NVLlamaConfig, NVLlamaForCausalLM
+from omegaconf import OmegaConf
 from optimizer import build_optimizer, split_decay_parameters
 from recipe_paths import recipe_path
 
@@ -15,6 +17,18 @@ def tiny_model(**overrides) -> NVLlamaForCausalLM:
     return NVLlamaForCausalLM(config)
 
 
+def optimizer_config(adamw_kwargs: dict, embedding_weight_decay: bool = False, fp32_master_weights: bool = True):
+    mixed_precision = {"enabled": True, "on_cpu": True, "fp32_master_weights": fp32_master_weights}
+    return OmegaConf.create(
+        {
+            "adamw_kwargs": adamw_kwargs,
+            "embedding_weight_decay": embedding_weight_decay,
+            "mixed_precision": {**mixed_precision, "compensate_bf16_updates": True},
+        }
+    )
+
+
+CPU = torch.device("cpu")
 LAYER_MATRICES = ["self_attention.layernorm_qkv.weight", "self_attention.proj.weight", "layernorm_mlp.fc1_weight"]
 LAYER_MATRICES += ["layernorm_mlp.fc2_weight"]
 LAYER_NORMS = ["self_attention.layernorm_qkv.layer_norm_weight", "layernorm_mlp.layer_norm_weight"]
@@ -45,7 +59,8 @@ def test_one_step_decays_only_the_decay_group():
     nothing for the others."""
     model = tiny_model()
     before = {name: p.detach().clone() for name, p in model.named_parameters()}
-    optimizer = build_optimizer(model, {"lr": 0.1, "betas": [0.9, 0.95], "eps": 1e-8, "weight_decay": 0.5})
+    cfg = optimizer_config({"lr": 0.1, "betas": [0.9, 0.95], "eps": 1e-8, "weight_decay": 0.5})
+    optimizer = build_optimizer(model, cfg, CPU)
     assert [group["weight_decay"] for group in optimizer.param_groups] == [0.5, 0.0]
     for param in model.parameters():
         param.grad = torch.zeros_like(param)
@@ -66,6 +81,16 @@ def test_tied_weights_are_counted_once():
 @pytest.mark.parametrize("embedding_weight_decay", [False, True])
 def test_every_parameter_is_in_exactly_one_group(embedding_weight_decay):
     model = tiny_model()
-    optimizer = build_optimizer(model, {"lr": 1e-3, "weight_decay": 0.1}, embedding_weight_decay)
+    optimizer = build_optimizer(
+        model, optimizer_config({"lr": 1e-3, "weight_decay": 0.1}, embedding_weight_decay), CPU
+    )
     grouped = [id(p) for group in optimizer.param_groups for p in group["params"]]
     assert sorted(grouped) == sorted(id(p) for p in model.parameters())
+
+
+def test_bf16_weights_keep_their_groups_under_the_compensated_optimizer():
+    model = tiny_model().to(torch.bfloat16)
+    cfg = optimizer_config({"lr": 1e-3, "weight_decay": 0.1}, fp32_master_weights=False)
+    optimizer = build_optimizer(model, cfg, CPU)
+    assert type(optimizer) is CompensatedAdamW
+    assert [group["weight_decay"] for group in optimizer.param_groups] == [0.1, 0.0]

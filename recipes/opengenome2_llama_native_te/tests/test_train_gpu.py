@@ -31,8 +31,10 @@ def evaluate(checkpoint, output, *args: str) -> dict:
 
 
 @pytest.mark.requires_te
-def test_te_backend_fsdp2_learns_and_exports(tmp_path):
-    metrics = train(tmp_path, *GPU_STEPS, "+model_config_overrides.backend=te", cpu_only=False)
+# bf16 weights: CompensatedAdamW's Triton kernel updates each FSDP2 shard.
+@pytest.mark.parametrize("weights", [[], ["mixed_precision.fp32_master_weights=false"]], ids=["fp32_master", "bf16"])
+def test_te_backend_fsdp2_learns_and_exports(tmp_path, weights):
+    metrics = train(tmp_path, *GPU_STEPS, "+model_config_overrides.backend=te", *weights, cpu_only=False)
     assert metrics[-1]["loss"] < LOSS_THRESHOLD, [round(m["loss"], 3) for m in metrics]
     assert read_jsonl(tmp_path / "validation.jsonl")[-1]["val_loss"] < LOSS_THRESHOLD
     assert json.loads((tmp_path / "summary.json").read_text())["peak_memory_gb"] > 0

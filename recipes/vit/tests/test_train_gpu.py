@@ -42,10 +42,17 @@ def best_accuracy(output_dir: Path) -> float:
 
 @pytest.mark.requires_te
 @pytest.mark.parametrize(
-    "script", ["train_ddp.py", "train_fsdp2.py", pytest.param("train_mfsdp.py", marks=needs_megatron_fsdp)]
+    ("script", "overrides"),
+    [
+        ("train_ddp.py", []),
+        ("train_fsdp2.py", []),
+        # bf16 weights, sharded: CompensatedAdamW's Triton kernel updates each local shard.
+        ("train_fsdp2.py", ["mixed_precision.fp32_master_weights=false"]),
+        pytest.param("train_mfsdp.py", [], marks=needs_megatron_fsdp),
+    ],
 )
-def test_te_backend_learns_the_patterns_and_exports(tmp_path, images, script):
-    train_on_gpu(script, tmp_path, images, TE)
+def test_te_backend_learns_the_patterns_and_exports(tmp_path, images, script, overrides):
+    train_on_gpu(script, tmp_path, images, TE, *overrides)
     assert best_accuracy(tmp_path) > 0.9, read_jsonl(tmp_path / "validation.jsonl")
     summary = json.loads((tmp_path / "summary.json").read_text())
     assert summary["peak_memory_gb"] > 0 and summary["median_mfu"] > 0

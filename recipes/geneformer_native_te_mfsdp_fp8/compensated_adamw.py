@@ -1,0 +1,320 @@
+# Copied from common/compensated_adamw.py — edit the source, then run ci/check_copies.py --fix
+"""AdamW for bf16 parameters that learns as fp32 master weights do: each weight's 16 low float32 bits are kept.
+
+A bf16 number keeps 8 bits of mantissa: a weight of 0.02 can only move in steps of about 1.2e-4. AdamW moves each
+weight by about the learning rate per step, so while the learning rate is small (the warm-up of a from-scratch run, the
+tail of a decay, fine-tuning at 1e-5) a plain bf16 update rounds back to the weight it started from. Measured on one
+H100 (docs/benchmarks.md): ESM-2 650M with bf16 parameters and torch's AdamW trailed the same run with fp32 master
+weights by 0.52 in loss at step 10 and by 0.10 at step 50 of a 2,000-step warm-up.
+
+A float32 number is a bf16 number plus 16 more mantissa bits. ``CompensatedAdamW`` keeps those 16 bits: next to each
+bf16 parameter an int16 ``compensation`` tensor holds the low half of the parameter's float32 master value, and the
+parameter itself is the master value rounded to the nearest bf16 (bit-wise: the high half, plus one where the low half
+is at least 0x8000). Each step joins the two halves into the exact float32 master weight, applies torch's AdamW
+arithmetic to it in float32, and splits the result again. The optimizer therefore follows fp32 master weights bit for
+bit (for the same gradients), and the model computes with what autocast would have cast them to, while holding 2 bytes
+per parameter more than a plain bf16 model instead of an fp32 copy (4 bytes) plus its fp32 gradient (4 more).
+
+Where the low bits start matters as much as keeping them. Weights initialised in float32 sit anywhere between two
+bf16 values; a small update then flips a share of the bf16 weights the GEMMs see in proportion to its size, so the
+forward pass follows updates far below one bf16 step on average. Low bits of zero put every weight exactly on its bf16
+value, and nothing moves until an update has added up to half a step: on ESM-2 650M that kept the loss 0.39 above the
+fp32-master run at step 10. So by default (``initial_compensation="dither"``) the low bits of every matrix (2-D or
+more: the randomly initialised weights) start uniformly random, as a float32 initialisation would have left them;
+vectors (biases, norm scales: constants at init) and zeros start at zero. The random bits come from a generator
+seeded with ``seed``, not from the global RNG. ``initial_compensation="zero"`` starts all of them at zero (the master
+weights then equal the bf16 ones, e.g. after loading a bf16 checkpoint).
+
+The moments ``exp_avg`` and ``exp_avg_sq`` are stored in the parameter's dtype by default, as torch's AdamW does for
+bf16 parameters (``state_dtype=torch.float32`` keeps them in fp32). float32 parameters get plain AdamW (no low bits).
+The arithmetic is ``torch.optim.AdamW``'s (decoupled weight decay, ``lerp`` of the first moment, ``eps`` added to the
+bias-corrected square root), in float32, one kernel per parameter tensor (Triton on CUDA, torch elsewhere).
+
+Parameters may be plain tensors or FSDP2's DTensors (each rank updates its own shard). The state dict has torch's
+AdamW keys plus ``compensation``, so checkpoints save and restore it like any optimizer state.
+"""
+
+import math
+from dataclasses import asdict, dataclass
+
+import torch
+from torch.distributed.tensor import DTensor
+
+
+try:
+    import triton
+    import triton.language as tl
+except ImportError:  # CPU-only installs: the torch path below does the same arithmetic
+    triton = None
+
+
+class CompensatedAdamW(torch.optim.Optimizer):
+    """``torch.optim.AdamW`` on the float32 master weights that bf16 parameters and their low bits make up."""
+
+    def __init__(
+        self,
+        params,
+        lr: float = 1e-3,
+        betas: tuple[float, float] = (0.9, 0.999),
+        eps: float = 1e-8,
+        weight_decay: float = 1e-2,
+        state_dtype: torch.dtype | None = None,
+        initial_compensation: str = "dither",
+        seed: int = 0,
+    ):
+        if not lr >= 0.0:
+            raise ValueError(f"CompensatedAdamW: lr must be >= 0, got {lr}")
+        if not (0.0 <= betas[0] < 1.0 and 0.0 <= betas[1] < 1.0):
+            raise ValueError(f"CompensatedAdamW: betas must be in [0, 1), got {tuple(betas)}")
+        if not eps >= 0.0 or not weight_decay >= 0.0:
+            raise ValueError(f"CompensatedAdamW: eps and weight_decay must be >= 0, got {eps} and {weight_decay}")
+        if initial_compensation not in ("dither", "zero"):
+            raise ValueError(
+                f"CompensatedAdamW: initial_compensation must be 'dither' or 'zero', got {initial_compensation!r}"
+            )
+        defaults = {"lr": lr, "betas": tuple(betas), "eps": eps, "weight_decay": weight_decay}
+        super().__init__(params, defaults)
+        for group in self.param_groups:
+            for param in group["params"]:
+                if param.dtype not in (torch.bfloat16, torch.float32):
+                    raise TypeError(f"CompensatedAdamW takes bf16 or float32 parameters, got {param.dtype}")
+        self.state_dtype = state_dtype
+        self.initial_compensation = initial_compensation
+        self.seed = seed
+        self._generators: dict[torch.device, torch.Generator] = {}
+
+    def _init_state(self, param: torch.Tensor) -> dict:
+        state = self.state[param]
+        if not state:
+            moment_dtype = self.state_dtype or param.dtype
+            state["step"] = torch.tensor(0.0, dtype=torch.float32)  # on the CPU, as torch's AdamW: no device sync
+            state["exp_avg"] = torch.zeros_like(param, dtype=moment_dtype, memory_format=torch.preserve_format)
+            state["exp_avg_sq"] = torch.zeros_like(param, dtype=moment_dtype, memory_format=torch.preserve_format)
+            if param.dtype == torch.bfloat16:
+                low = torch.zeros_like(param, dtype=torch.int16, memory_format=torch.preserve_format)
+                if self.initial_compensation == "dither" and param.dim() >= 2:
+                    local = _local(low)
+                    local.copy_(random_low_bits(_local(param), self._generator(local.device)))
+                state["compensation"] = low
+        elif param.dtype == torch.bfloat16 and "compensation" not in state:
+            # Moments from torch's AdamW (a run resumed with compensate_bf16_updates switched on): the weights are
+            # trained bf16 values, their master values are those bf16 values, so the low bits start at zero.
+            state["compensation"] = torch.zeros_like(param, dtype=torch.int16, memory_format=torch.preserve_format)
+        return state
+
+    def load_state_dict(self, state_dict: dict) -> None:
+        """torch's, except that the state keeps its saved dtypes: torch casts the state of a floating-point parameter
+        to the parameter's dtype, which would turn the int16 low halves (and float32 moments) into bf16 numbers."""
+        saved = {
+            param_id: {key: value for key, value in state.items() if key != "step" and torch.is_tensor(value)}
+            for param_id, state in state_dict["state"].items()
+        }
+        super().load_state_dict(state_dict)
+        params_by_id = {
+            param_id: param
+            for saved_group, group in zip(state_dict["param_groups"], self.param_groups)
+            for param_id, param in zip(saved_group["params"], group["params"])
+        }
+        for param_id, tensors in saved.items():
+            param = params_by_id[param_id]
+            for key, value in tensors.items():
+                self.state[param][key] = value.to(device=param.device)
+        for state in self.state.values():  # torch's fused AdamW keeps the step count on the GPU: reading it would sync
+            if torch.is_tensor(state.get("step")) and state["step"].device.type != "cpu":
+                state["step"] = state["step"].cpu()
+
+    def _generator(self, device: torch.device) -> torch.Generator:
+        if device not in self._generators:
+            self._generators[device] = torch.Generator(device=device).manual_seed(self.seed)
+        return self._generators[device]
+
+    @torch.no_grad()
+    def step(self, closure=None):
+        loss = None
+        if closure is not None:
+            with torch.enable_grad():
+                loss = closure()
+        for group in self.param_groups:
+            beta1, beta2 = group["betas"]
+            lr = float(group["lr"])
+            for param in group["params"]:
+                if param.grad is None:
+                    continue
+                if param.grad.is_sparse:
+                    raise RuntimeError("CompensatedAdamW does not support sparse gradients")
+                state = self._init_state(param)
+                state["step"] += 1
+                step = int(state["step"].item())
+                # Scalars in float64 on the host, as torch's AdamW computes them; both paths round them to fp32.
+                scalars = AdamWScalars(
+                    decay=1.0 - lr * group["weight_decay"],
+                    one_minus_beta1=1.0 - beta1,
+                    beta2=beta2,
+                    one_minus_beta2=1.0 - beta2,
+                    step_size=lr / (1.0 - beta1**step),
+                    sqrt_bias_correction2=math.sqrt(1.0 - beta2**step),
+                    eps=group["eps"],
+                )
+                low = state.get("compensation")
+                tensors = [param, param.grad, state["exp_avg"], state["exp_avg_sq"]]
+                compensated_adamw_update(*[_local(t) for t in tensors], None if low is None else _local(low), scalars)
+        return loss
+
+
+@dataclass(frozen=True)
+class AdamWScalars:
+    """The per-step numbers of one AdamW update, shared by the Triton kernel and the torch path."""
+
+    decay: float
+    one_minus_beta1: float
+    beta2: float
+    one_minus_beta2: float
+    step_size: float
+    sqrt_bias_correction2: float
+    eps: float
+
+
+def random_low_bits(param: torch.Tensor, generator: torch.Generator) -> torch.Tensor:
+    """Uniformly random low halves for bf16 ``param``: master values spread over all float32 numbers that round to
+    each bf16 value. Zero where ``param`` is ±0 (a negative low half there would flip the sign or make a NaN)."""
+    low = torch.randint(-(2**15), 2**15, param.shape, generator=generator, device=param.device, dtype=torch.int32)
+    return torch.where(param == 0, 0, low).to(torch.int16)
+
+
+def join_master(param: torch.Tensor, low: torch.Tensor) -> torch.Tensor:
+    """The float32 master values of bf16 ``param`` and its int16 low halves."""
+    high = param.view(torch.int16).to(torch.int64) & 0xFFFF
+    bits = ((high << 16) + low.to(torch.int64)) & 0xFFFFFFFF
+    return _wrap(bits, 32).to(torch.int32).view(torch.float32)
+
+
+def split_master(master: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """float32 ``master`` as (its nearest bf16 value, the int16 low half that restores it exactly)."""
+    bits = master.view(torch.int32).to(torch.int64) & 0xFFFFFFFF
+    high = (bits + 0x8000) >> 16  # rounds to nearest (ties away from zero): the bit pattern is monotonic in |value|
+    low = bits - (high << 16)  # in [-0x8000, 0x7FFF]
+    param = _wrap(high & 0xFFFF, 16).to(torch.int16).view(torch.bfloat16)
+    return param, low.to(torch.int16)
+
+
+def _wrap(unsigned: torch.Tensor, width: int) -> torch.Tensor:
+    """Unsigned ``width``-bit integers (in int64) as the signed integers with the same bits."""
+    return torch.where(unsigned >= 2 ** (width - 1), unsigned - 2**width, unsigned)
+
+
+def compensated_adamw_update(param, grad, exp_avg, exp_avg_sq, low, scalars: AdamWScalars) -> None:
+    """One update of one tensor in place (``low``: the int16 low halves of a bf16 ``param``, None for float32): the
+    Triton kernel for contiguous CUDA tensors, else the torch path."""
+    tensors = [t for t in (param, grad, exp_avg, exp_avg_sq, low) if t is not None]
+    if param.numel() == 0:
+        return
+    if triton is not None and param.is_cuda and all(t.is_contiguous() for t in tensors):
+        _update_with_triton(param, grad, exp_avg, exp_avg_sq, low, scalars)
+    else:
+        update_with_torch(param, grad, exp_avg, exp_avg_sq, low, scalars)
+
+
+def update_with_torch(param, grad, exp_avg, exp_avg_sq, low, scalars: AdamWScalars) -> None:
+    """The reference arithmetic: torch's (single-tensor) AdamW in float32, on the joined master weights."""
+    f32 = torch.float32
+    s = AdamWScalars(
+        **{name: torch.tensor(value, dtype=f32) for name, value in asdict(scalars).items()}
+    )  # as the kernel
+    g = grad.to(f32)
+    m = exp_avg.to(f32)
+    m = m + (g - m) * s.one_minus_beta1  # lerp(m, g, 1 - beta1)
+    v = exp_avg_sq.to(f32) * s.beta2 + s.one_minus_beta2 * g * g  # addcmul's order: value * grad * grad
+    denom = v.sqrt() / s.sqrt_bias_correction2 + s.eps
+    master = param.to(f32) if low is None else join_master(param, low)
+    master = master * s.decay
+    master = master - s.step_size * (m / denom)
+    if low is None:
+        param.copy_(master)
+    else:
+        new_param, new_low = split_master(master)
+        param.copy_(new_param)
+        low.copy_(new_low)
+    exp_avg.copy_(m)
+    exp_avg_sq.copy_(v)
+
+
+_BLOCK = 2048
+_KERNEL = None
+
+
+def _kernel():
+    """The Triton kernel, JIT-decorated on first use (so that ``TRITON_INTERPRET`` set by a test is honoured)."""
+    global _KERNEL
+    if _KERNEL is None:
+
+        def compensated_adamw(
+            param_ptr,
+            grad_ptr,
+            exp_avg_ptr,
+            exp_avg_sq_ptr,
+            low_ptr,
+            numel,
+            decay,
+            one_minus_beta1,
+            beta2,
+            one_minus_beta2,
+            step_size,
+            sqrt_bias_correction2,
+            eps,
+            SPLIT: tl.constexpr,
+            BLOCK: tl.constexpr,
+        ):
+            offsets = tl.program_id(0).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
+            mask = offsets < numel
+            g = tl.load(grad_ptr + offsets, mask=mask).to(tl.float32)
+            m = tl.load(exp_avg_ptr + offsets, mask=mask).to(tl.float32)
+            m = m + (g - m) * one_minus_beta1
+            v = tl.load(exp_avg_sq_ptr + offsets, mask=mask).to(tl.float32) * beta2 + one_minus_beta2 * g * g
+            denom = tl.div_rn(tl.sqrt_rn(v), sqrt_bias_correction2) + eps
+            if SPLIT:  # join: (high half << 16) + low half, the float32 bit pattern (int32 arithmetic wraps)
+                high = tl.load(param_ptr + offsets, mask=mask).to(tl.int16, bitcast=True).to(tl.int32) & 0xFFFF
+                low = tl.load(low_ptr + offsets, mask=mask).to(tl.int32)
+                master = ((high << 16) + low).to(tl.float32, bitcast=True)
+            else:
+                master = tl.load(param_ptr + offsets, mask=mask).to(tl.float32)
+            master = master * decay
+            master = master - step_size * tl.div_rn(m, denom)
+            if SPLIT:  # split: round the bit pattern to its high half, keep the remainder
+                bits = master.to(tl.int32, bitcast=True)
+                high = ((bits + 0x8000) >> 16) & 0xFFFF
+                low = bits - (high << 16)
+                tl.store(param_ptr + offsets, high.to(tl.int16).to(tl.bfloat16, bitcast=True), mask=mask)
+                tl.store(low_ptr + offsets, low.to(tl.int16), mask=mask)
+            else:
+                tl.store(param_ptr + offsets, master, mask=mask)
+            tl.store(exp_avg_ptr + offsets, m.to(exp_avg_ptr.dtype.element_ty), mask=mask)
+            tl.store(exp_avg_sq_ptr + offsets, v.to(exp_avg_sq_ptr.dtype.element_ty), mask=mask)
+
+        _KERNEL = triton.jit(compensated_adamw)
+    return _KERNEL
+
+
+def _update_with_triton(param, grad, exp_avg, exp_avg_sq, low, scalars: AdamWScalars) -> None:
+    numel = param.numel()
+    _kernel()[(triton.cdiv(numel, _BLOCK),)](
+        param,
+        grad,
+        exp_avg,
+        exp_avg_sq,
+        param if low is None else low,  # unused without SPLIT
+        numel,
+        scalars.decay,
+        scalars.one_minus_beta1,
+        scalars.beta2,
+        scalars.one_minus_beta2,
+        scalars.step_size,
+        scalars.sqrt_bias_correction2,
+        scalars.eps,
+        SPLIT=low is not None,
+        BLOCK=_BLOCK,
+    )
+
+
+def _local(tensor: torch.Tensor) -> torch.Tensor:
+    """This rank's shard of an FSDP2 DTensor (the update is elementwise), or the tensor itself."""
+    return tensor.to_local() if isinstance(tensor, DTensor) else tensor

@@ -1,0 +1,54 @@
+# Copied from common/adamw.py — edit the source, then run ci/check_copies.py --fix
+"""The recipes' AdamW: torch's for fp32 weights, ``CompensatedAdamW`` for bf16 weights.
+
+The config keys it reads (see each recipe's ``hydra_config/defaults.yaml``)::
+
+    adamw_kwargs: {lr, betas, eps, weight_decay}       # torch.optim.AdamW's arguments
+    mixed_precision: {enabled, on_cpu, fp32_master_weights, compensate_bf16_updates}
+
+With fp32 master weights (the default), or without bf16 compute, it is torch's AdamW (fused on CUDA). With bf16
+weights (``mixed_precision.fp32_master_weights: false``) torch's AdamW rounds every update to bf16, so an update
+smaller than half a bf16 step (about 6e-5 for a weight of 0.02) is lost; early in a run, under learning-rate warm-up,
+almost all of them are, and an ESM-2 650M run trailed fp32 master weights by 0.52 in loss at step 10
+(docs/benchmarks.md). There ``CompensatedAdamW`` (compensated_adamw.py) keeps the 16 low bits of each weight's fp32
+master value beside it (2 bytes per parameter) and follows fp32 AdamW; ``compensate_bf16_updates: false`` restores
+torch's AdamW.
+
+Megatron-FSDP (``train_mfsdp.py``) shards its optimizer together with the model and builds it itself.
+"""
+
+import logging
+from collections.abc import Iterable
+
+import torch
+from compensated_adamw import CompensatedAdamW
+from mixed_precision import computes_in_bf16, keeps_fp32_master_weights
+from user_errors import ConfigError
+
+
+logger = logging.getLogger(__name__)
+
+# The adamw_kwargs CompensatedAdamW accepts (torch's AdamW also takes amsgrad, maximize, foreach, ...).
+COMPENSATED_ADAMW_KWARGS = ("lr", "betas", "eps", "weight_decay")
+
+
+def updates_bf16_weights_compensated(cfg, device: torch.device) -> bool:
+    """Whether this run's weights are bf16 and their optimizer keeps the low bits (``CompensatedAdamW``)."""
+    mp_cfg = cfg.mixed_precision
+    bf16_weights = computes_in_bf16(mp_cfg, device) and not keeps_fp32_master_weights(mp_cfg, device)
+    return bf16_weights and bool(mp_cfg.compensate_bf16_updates)
+
+
+def build_adamw(params: Iterable, cfg, device: torch.device) -> torch.optim.Optimizer:
+    """AdamW with ``cfg.adamw_kwargs`` over ``params`` (parameters or parameter groups) for a model on ``device``."""
+    if updates_bf16_weights_compensated(cfg, device):
+        unsupported = sorted(set(cfg.adamw_kwargs) - set(COMPENSATED_ADAMW_KWARGS))
+        if unsupported:
+            raise ConfigError(
+                f"adamw_kwargs.{unsupported[0]} is not supported with bf16 weights and "
+                "mixed_precision.compensate_bf16_updates=true (CompensatedAdamW takes "
+                f"{', '.join(COMPENSATED_ADAMW_KWARGS)}): remove it, or set mixed_precision.compensate_bf16_updates=false"
+            )
+        logger.info("Optimizer: CompensatedAdamW (bf16 weights with the 16 low bits of their fp32 master values)")
+        return CompensatedAdamW(params, **cfg.adamw_kwargs)
+    return torch.optim.AdamW(params, **cfg.adamw_kwargs, fused=device.type == "cuda")

@@ -1,0 +1,81 @@
+# Copied from common/tests/test_adamw.py — edit the source, then run ci/check_copies.py --fix
+"""adamw.build_adamw: which AdamW a run gets from its config, with what arguments, and the errors a user sees."""
+
+import pytest
+import torch
+from adamw import build_adamw
+from compensated_adamw import CompensatedAdamW, join_master
+from omegaconf import OmegaConf
+from user_errors import ConfigError
+
+
+CPU = torch.device("cpu")
+
+
+def config(fp32_master_weights=True, compensate=True, enabled=True, on_cpu=True, **extra_adamw_kwargs):
+    return OmegaConf.create(
+        {
+            "adamw_kwargs": {
+                "lr": 4e-4,
+                "betas": [0.9, 0.98],
+                "eps": 1e-8,
+                "weight_decay": 0.01,
+                **extra_adamw_kwargs,
+            },
+            "mixed_precision": {
+                "enabled": enabled,
+                "on_cpu": on_cpu,
+                "fp32_master_weights": fp32_master_weights,
+                "compensate_bf16_updates": compensate,
+            },
+        }
+    )
+
+
+def parameters(dtype=torch.bfloat16):
+    return [torch.nn.Parameter(torch.zeros(4, 3, dtype=dtype)), torch.nn.Parameter(torch.zeros(3, dtype=dtype))]
+
+
+@pytest.mark.parametrize(
+    ("cfg", "expected"),
+    [
+        (config(), torch.optim.AdamW),  # fp32 master weights
+        (config(fp32_master_weights=False), CompensatedAdamW),
+        (config(fp32_master_weights=False, compensate=False), torch.optim.AdamW),
+        (config(fp32_master_weights=False, enabled=False), torch.optim.AdamW),  # no bf16 compute: fp32 weights
+        (config(fp32_master_weights=False, on_cpu=False), torch.optim.AdamW),  # bf16 only on CUDA, this is CPU
+    ],
+)
+def test_bf16_weights_get_the_compensated_optimizer(cfg, expected):
+    optimizer = build_adamw(parameters(), cfg, CPU)
+    assert type(optimizer) is expected
+    assert optimizer.defaults["lr"] == 4e-4 and tuple(optimizer.defaults["betas"]) == (0.9, 0.98)
+    assert optimizer.defaults["weight_decay"] == 0.01 and optimizer.defaults["eps"] == 1e-8
+
+
+def test_parameter_groups_keep_their_own_settings():
+    # vectors: their low bits start at zero (matrices start dithered, as an fp32 initialisation leaves them)
+    decay, no_decay = (torch.nn.Parameter(torch.zeros(3, dtype=torch.bfloat16)) for _ in range(2))
+    groups = [{"params": [decay]}, {"params": [no_decay], "weight_decay": 0.0}]
+    optimizer = build_adamw(groups, config(fp32_master_weights=False), CPU)
+    assert [g["weight_decay"] for g in optimizer.param_groups] == [0.01, 0.0]
+    decay.grad, no_decay.grad = torch.zeros_like(decay), torch.zeros_like(no_decay)
+    decay.data.fill_(1.0), no_decay.data.fill_(1.0)
+    optimizer.step()  # zero gradients: only weight decay moves a weight, and only in the first group
+    # 1 - lr * weight_decay is below half a bf16 step from 1: the move shows in the fp32 master value
+    master = [join_master(p.detach(), optimizer.state[p]["compensation"]) for p in (decay, no_decay)]
+    assert torch.allclose(master[0], torch.full((3,), 1.0 - 4e-4 * 0.01)) and torch.equal(master[1], torch.ones(3))
+
+
+def test_an_adamw_argument_the_compensated_optimizer_lacks_is_refused_by_name():
+    with pytest.raises(ConfigError, match=r"adamw_kwargs\.amsgrad .*compensate_bf16_updates=false"):
+        build_adamw(parameters(), config(fp32_master_weights=False, amsgrad=True), CPU)
+    # torch's AdamW takes it
+    assert build_adamw(parameters(torch.float32), config(amsgrad=True), CPU).defaults["amsgrad"] is True
+
+
+def test_a_config_without_the_compensation_key_fails_by_name():
+    cfg = config(fp32_master_weights=False)
+    del cfg.mixed_precision["compensate_bf16_updates"]
+    with pytest.raises(Exception, match="compensate_bf16_updates"):
+        build_adamw(parameters(), cfg, CPU)

@@ -1,0 +1,291 @@
+# Copied from common/tests/test_compensated_adamw.py — edit the source, then run ci/check_copies.py --fix
+"""compensated_adamw.CompensatedAdamW: bf16 parameters whose optimizer follows fp32 master weights.
+
+The references are independent of the code under test: ``torch.optim.AdamW`` (single-tensor, CPU) on float32 copies
+of the same parameters and gradients (fp32 master weights), torch's own float32 -> bf16 rounding, and the same AdamW on
+bf16 parameters (what the low bits fix: the control that shows these tests can fail). The Triton kernel runs on CPU
+in Triton's interpreter (``TRITON_INTERPRET=1``) against the module's torch path; on a GPU it runs compiled.
+"""
+
+import importlib
+import os
+
+import pytest
+import torch
+
+
+def fresh_module():
+    import compensated_adamw
+
+    return importlib.reload(compensated_adamw)  # the kernel is decorated on first use: honour TRITON_INTERPRET
+
+
+def bf16_parameters(seed: int = 0, shapes=((33, 17), (5,), (3000,))) -> list[torch.nn.Parameter]:
+    generator = torch.Generator().manual_seed(seed)
+    return [torch.nn.Parameter((torch.randn(shape, generator=generator) * 0.02).bfloat16()) for shape in shapes]
+
+
+def gradients(params, step: int) -> list[torch.Tensor]:
+    generator = torch.Generator().manual_seed(1000 + step)
+    # A common direction plus noise: the weights drift steadily, by less than a bf16 step per update at small lr.
+    # Rounded to bf16 for every optimizer, so that the runs differ only in how they update the weights.
+    return [(0.5 + torch.randn(p.shape, generator=generator)).bfloat16().to(p.dtype) for p in params]
+
+
+def train(optimizer_class, params, steps: int, lr: float, **kwargs):
+    optimizer = optimizer_class(params, lr=lr, betas=(0.9, 0.98), weight_decay=0.01, **kwargs)
+    for step in range(steps):
+        for param, grad in zip(params, gradients(params, step)):
+            param.grad = grad
+        optimizer.step()
+    return optimizer
+
+
+def master_weights(module, optimizer, param) -> torch.Tensor:
+    return module.join_master(param.detach(), optimizer.state[param]["compensation"])
+
+
+def test_split_and_join_are_exact_and_round_to_nearest():
+    module = fresh_module()
+    generator = torch.Generator().manual_seed(0)
+    values = torch.cat(
+        [
+            torch.randn(10_000, generator=generator) * 10.0 ** torch.randint(-30, 30, (10_000,), generator=generator),
+            torch.tensor([0.0, -0.0, 1.0, -1.0, 2.0**-126, 3.4e38, -3.4e38, 1e-40]),
+            torch.randn(1000, generator=generator).bfloat16().float(),  # exactly on bf16 values: low half 0
+        ]
+    )
+    param, low = module.split_master(values)
+    assert param.dtype == torch.bfloat16 and low.dtype == torch.int16
+    assert torch.equal(module.join_master(param, low).view(torch.int32), values.view(torch.int32))  # bit for bit
+    nearest = values.bfloat16()  # torch rounds to nearest, ties to even; the split rounds ties away from zero
+    tie = (values.view(torch.int32) & 0xFFFF) == 0x8000
+    assert torch.equal(param[~tie], nearest[~tie])
+    assert (low[-1000:] == 0).all()
+
+
+@pytest.mark.parametrize("lr", [1e-6, 1e-4])
+def test_bf16_weights_follow_fp32_master_weights(lr):
+    """With the moments in float32 too, the master weights are torch's fp32 AdamW's to float32 rounding; plain AdamW
+    loses 28% (lr 1e-4) to 99% (lr 1e-6) of how far fp32 AdamW moves the weights in 200 steps."""
+    module = fresh_module()
+    master = [torch.nn.Parameter(p.detach().float()) for p in bf16_parameters()]
+    plain = bf16_parameters()
+    compensated = bf16_parameters()
+    train(torch.optim.AdamW, master, 200, lr, foreach=False)
+    train(torch.optim.AdamW, plain, 200, lr)
+    optimizer = train(
+        module.CompensatedAdamW, compensated, 200, lr, state_dtype=torch.float32, initial_compensation="zero"
+    )
+
+    for index, (m, p, c, s) in enumerate(zip(master, plain, compensated, bf16_parameters())):
+        moved = (m.detach() - s.float()).abs().mean()
+        # To float32 rounding (torch's CPU kernels fuse some multiply-adds): a 1e-4 of the distance moved, or less.
+        error = (master_weights(module, optimizer, c) - m.detach()).abs()
+        assert error.max() < 1e-4 * moved, (index, error.max(), moved)
+        torch.testing.assert_close(c.detach(), m.detach().bfloat16(), rtol=2**-7, atol=0)  # what autocast would use
+        plain_error = (p.detach().float() - m.detach()).abs().mean()
+        assert plain_error > 0.2 * moved, (index, plain_error, moved)  # the control: plain bf16 falls behind
+
+
+def test_bf16_moments_stay_close_to_fp32_master_weights():
+    """The default keeps the moments in bf16 (as torch does for bf16 parameters): close, not exact."""
+    module = fresh_module()
+    master = [torch.nn.Parameter(p.detach().float()) for p in bf16_parameters()]
+    compensated = bf16_parameters()
+    train(torch.optim.AdamW, master, 200, 1e-5, foreach=False)
+    optimizer = train(module.CompensatedAdamW, compensated, 200, 1e-5, initial_compensation="zero")
+    for m, c, s in zip(master, compensated, bf16_parameters()):
+        assert optimizer.state[c]["exp_avg"].dtype == torch.bfloat16
+        moved = (m.detach() - s.float()).abs().mean()
+        assert (master_weights(module, optimizer, c) - m.detach()).abs().mean() < 0.01 * moved
+
+
+def test_dithered_low_bits_let_the_bf16_weights_follow_updates_below_one_bf16_step():
+    """A float32 initialisation leaves each weight somewhere between two bf16 values, so tiny updates flip a share
+    of the bf16 weights in proportion to their size: on average the bf16 weights move as far as the float32 ones.
+    Random low bits reproduce that; zero low bits hold most weights still (the gap seen on ESM-2 650M)."""
+    module = fresh_module()
+    init = torch.randn(256, 256, generator=torch.Generator().manual_seed(0)) * 0.02
+    steps, lr = 20, 1e-6  # 2e-5 in all: a sixth of a bf16 step at 0.02
+
+    def bf16_weights_after(optimizer_class, param, **kwargs):
+        optimizer = optimizer_class([param], lr=lr, betas=(0.9, 0.98), weight_decay=0.0, **kwargs)
+        for _ in range(steps):
+            param.grad = torch.ones_like(param)  # Adam's update is then -lr every step
+            optimizer.step()
+        return param.detach().bfloat16().float()
+
+    start = init.bfloat16().float()
+    fp32 = (bf16_weights_after(torch.optim.AdamW, torch.nn.Parameter(init.clone())) - start).mean()
+    dither = bf16_weights_after(module.CompensatedAdamW, torch.nn.Parameter(init.bfloat16()))
+    zero = bf16_weights_after(
+        module.CompensatedAdamW, torch.nn.Parameter(init.bfloat16()), initial_compensation="zero"
+    )
+    assert float(fp32) == pytest.approx(-steps * lr, rel=0.05)
+    assert float((dither - start).mean()) == pytest.approx(float(fp32), rel=0.1)
+    assert (zero - start).mean() > 0.5 * fp32  # moved less than half as far
+
+
+def test_dither_fills_matrices_only_and_changes_no_weight():
+    """torch.distributed.checkpoint creates optimizer state by stepping at lr 0: that must not move the weights."""
+    module = fresh_module()
+    params = bf16_parameters()
+    with torch.no_grad():
+        params[0][0, :5] = 0.0  # zeros keep a zero low half (a negative one would flip the sign)
+    before = [p.detach().clone() for p in params]
+    optimizer = train(module.CompensatedAdamW, params, 3, 0.0)
+    for a, b in zip(before, params):
+        torch.testing.assert_close(a, b.detach(), rtol=0, atol=0)
+    matrix, vector = (optimizer.state[p]["compensation"].float() for p in params[:2])
+    assert (matrix[0, :5] == 0).all() and (vector == 0).all()
+    assert matrix.abs().mean() > 2**13 and abs(matrix.mean()) < 2**11  # uniform over [-2**15, 2**15): mean |x| 2**14
+
+
+def test_state_dict_round_trip_continues_the_same_run():
+    """A checkpoint restores the low bits with the moments: the resumed run equals the uninterrupted one."""
+    module = fresh_module()
+    straight = bf16_parameters()
+    train(module.CompensatedAdamW, straight, 20, 1e-5)
+
+    first_half = bf16_parameters()
+    optimizer = train(module.CompensatedAdamW, first_half, 10, 1e-5)
+    saved = optimizer.state_dict()
+    assert set(saved["state"][0]) == {"step", "exp_avg", "exp_avg_sq", "compensation"}
+    assert saved["state"][0]["compensation"].dtype == torch.int16
+    resumed = [torch.nn.Parameter(p.detach().clone()) for p in first_half]
+    restored = module.CompensatedAdamW(resumed, lr=1e-5, betas=(0.9, 0.98), weight_decay=0.01)
+    restored.load_state_dict(saved)
+    for step in range(10, 20):
+        for param, grad in zip(resumed, gradients(resumed, step)):
+            param.grad = grad
+        restored.step()
+    assert restored.state[resumed[0]]["compensation"].dtype == torch.int16  # not cast to the parameter's bf16
+    for a, b in zip(straight, resumed):
+        torch.testing.assert_close(a, b, rtol=0, atol=0)
+
+
+def test_a_run_of_torchs_adamw_resumes_with_zero_low_bits():
+    """Switching compensate_bf16_updates on when resuming: the moments carry over, the low bits start at zero."""
+    module = fresh_module()
+    params = bf16_parameters()
+    saved = train(torch.optim.AdamW, params, 5, 1e-4).state_dict()
+    optimizer = module.CompensatedAdamW(params, lr=1e-4, betas=(0.9, 0.98), weight_decay=0.01)
+    optimizer.load_state_dict(saved)
+    before = params[0].detach().clone()
+    for param, grad in zip(params, gradients(params, 5)):
+        param.grad = grad
+    optimizer.step()
+    state = optimizer.state[params[0]]
+    assert state["step"].item() == 6 and state["compensation"].dtype == torch.int16
+    master = master_weights(module, optimizer, params[0])
+    assert 0 < (master - before.float()).abs().max() < 1e-3  # one small step from the trained bf16 weights
+
+
+def test_float32_parameters_get_plain_adamw():
+    module = fresh_module()
+    master = [torch.nn.Parameter(p.detach().float()) for p in bf16_parameters()]
+    ours = [torch.nn.Parameter(p.detach().float()) for p in bf16_parameters()]
+    train(torch.optim.AdamW, master, 20, 1e-3, foreach=False)
+    optimizer = train(module.CompensatedAdamW, ours, 20, 1e-3)
+    assert "compensation" not in optimizer.state[ours[0]]
+    for a, b in zip(master, ours):
+        torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-8)
+
+
+def test_bad_arguments_are_refused():
+    module = fresh_module()
+    with pytest.raises(ValueError, match="lr"):
+        module.CompensatedAdamW(bf16_parameters(), lr=-1.0)
+    with pytest.raises(ValueError, match="betas"):
+        module.CompensatedAdamW(bf16_parameters(), betas=(0.9, 1.0))
+    with pytest.raises(ValueError, match="initial_compensation"):
+        module.CompensatedAdamW(bf16_parameters(), initial_compensation="random")
+    with pytest.raises(TypeError, match="float16"):
+        module.CompensatedAdamW([torch.nn.Parameter(torch.zeros(3, dtype=torch.float16))])
+
+
+def kernel_inputs(numel: int, dtype: torch.dtype) -> list[torch.Tensor]:
+    generator = torch.Generator().manual_seed(numel)
+    param, grad, exp_avg, exp_avg_sq = (torch.randn(numel, generator=generator) for _ in range(4))
+    tensors = [
+        (param * 0.02).to(dtype),
+        grad.to(dtype),
+        (exp_avg * 0.1).to(dtype),
+        (exp_avg_sq.square() * 0.01).to(dtype),
+    ]
+    low = torch.randint(-(2**15), 2**15, (numel,), generator=generator, dtype=torch.int32).to(torch.int16)
+    return [*tensors, low if dtype == torch.bfloat16 else None]
+
+
+def kernel_equals_torch_path(module, device: str, exact: bool) -> None:
+    """The same arithmetic on the same inputs: the same master weights, bit for bit in the interpreter (compiled,
+    fused multiply-adds may round the last float32 bit differently); bf16 moments within one bf16 step (the
+    interpreter's float32 -> bf16 conversion need not round as torch's does)."""
+    step = 7
+    scalars = module.AdamWScalars(
+        decay=1 - 4e-4 * 0.01,
+        one_minus_beta1=1 - 0.9,
+        beta2=0.98,
+        one_minus_beta2=1 - 0.98,
+        step_size=4e-4 / (1 - 0.9**step),
+        sqrt_bias_correction2=(1 - 0.98**step) ** 0.5,
+        eps=1e-8,
+    )
+    for dtype in (torch.float32, torch.bfloat16):
+        for numel in (1, 2047, 2048, 5000):  # less than, exactly and more than one block of the kernel
+            by_torch = kernel_inputs(numel, dtype)
+            by_kernel = [None if t is None else t.to(device) for t in by_torch]
+            module._update_with_triton(*by_kernel, scalars)
+            module.update_with_torch(*by_torch, scalars)
+            by_kernel = [None if t is None else t.cpu() for t in by_kernel]
+            where = f"{dtype}, {numel} elements"
+            if dtype == torch.bfloat16:
+                master_kernel = module.join_master(by_kernel[0], by_kernel[4])
+                master_torch = module.join_master(by_torch[0], by_torch[4])
+            else:
+                master_kernel, master_torch = by_kernel[0], by_torch[0]
+            tolerance = {"rtol": 0, "atol": 0} if exact else {"rtol": 1e-6, "atol": 1e-9}
+            torch.testing.assert_close(master_kernel, master_torch, **tolerance, msg=f"master weights, {where}")
+            torch.testing.assert_close(by_kernel[1], by_torch[1], rtol=0, atol=0)  # the gradient is only read
+            moments = {"rtol": 2**-7, "atol": 0} if dtype == torch.bfloat16 or not exact else {"rtol": 0, "atol": 0}
+            if dtype == torch.float32 and not exact:
+                moments = {"rtol": 1e-6, "atol": 1e-8}
+            for name, a, b in zip(("exp_avg", "exp_avg_sq"), by_kernel[2:4], by_torch[2:4]):
+                torch.testing.assert_close(a, b, **moments, msg=lambda m, n=name, w=where: f"{n}, {w}: {m}")
+
+
+def test_triton_kernel_equals_the_torch_path_in_the_interpreter(monkeypatch):
+    pytest.importorskip("triton")
+    monkeypatch.setenv("TRITON_INTERPRET", "1")
+    module = fresh_module()
+    kernel_equals_torch_path(module, "cpu", exact=True)
+
+
+@pytest.mark.requires_gpu
+def test_triton_kernel_equals_the_torch_path_on_the_gpu():
+    module = fresh_module()
+    assert os.environ.get("TRITON_INTERPRET") != "1"
+    kernel_equals_torch_path(module, "cuda", exact=False)
+
+
+@pytest.mark.requires_gpu
+def test_bf16_weights_follow_fp32_master_weights_on_the_gpu():
+    """The whole optimizer on CUDA (the Triton path) against torch's fused fp32 AdamW."""
+    module = fresh_module()
+    master = [torch.nn.Parameter(p.detach().float().cuda()) for p in bf16_parameters()]
+    compensated = [torch.nn.Parameter(p.detach().cuda()) for p in bf16_parameters()]
+    optimizers = []
+    for optimizer_class, params, kwargs in (
+        (torch.optim.AdamW, master, {"fused": True}),
+        (module.CompensatedAdamW, compensated, {"state_dtype": torch.float32, "initial_compensation": "zero"}),
+    ):
+        optimizers.append(optimizer_class(params, lr=1e-6, betas=(0.9, 0.98), weight_decay=0.01, **kwargs))
+        for step in range(200):
+            for param, grad in zip(params, gradients(params, step)):
+                param.grad = grad.cuda()
+            optimizers[-1].step()
+    for m, c, s in zip(master, compensated, bf16_parameters()):
+        moved = (m.detach().cpu() - s.float()).abs().mean()
+        error = (master_weights(module, optimizers[1], c) - m.detach()).abs().cpu()
+        assert error.mean() < 1e-3 * moved and error.max() < 1e-2 * moved, (error.mean(), error.max(), moved)
