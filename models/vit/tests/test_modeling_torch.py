@@ -256,6 +256,26 @@ def test_meta_init_matches_the_configured_init():
                     assert abs(param.mean().item()) < 0.05 * std, name
 
 
+def test_a_bf16_model_is_initialised_as_a_float32_one_rounded():
+    """FSDP2 with bf16 weights initialises a bf16 meta model. The weights must be the float32 init rounded to bf16, bit
+    for bit: torch 2.11's truncated-normal sampler, run in bf16, made ~0.2% of them +-2 (100 standard deviations).
+    On the GPU machine this runs on CUDA, with its torch."""
+    device = "cuda" if torch.cuda.is_available() else "cpu"
+    config = init_config()
+    models = {}
+    for dtype in (torch.float32, torch.bfloat16):
+        with torch.device("meta"):
+            model = NVViTForImageClassification(config).to(dtype)
+        torch.manual_seed(0)
+        model.init_empty_weights(device)
+        models[dtype] = model
+    rounded = {name: p.bfloat16() for name, p in models[torch.float32].named_parameters()}
+    for name, param in models[torch.bfloat16].named_parameters():
+        assert param.dtype == torch.bfloat16, name
+        assert torch.equal(param, rounded[name]), name
+        assert param.float().abs().max() <= 6 * config.initializer_range or "layer_norm" in name or "layernorm" in name
+
+
 def test_meta_initialised_model_trains():
     config = init_config()
     with torch.device("meta"):
