@@ -1,6 +1,6 @@
 """train_fsdp2.py, train_cp.py and the evaluation script on GPUs with the TransformerEngine backend (skipped without them).
 
-NOT YET RUN: written without GPU access; the first GPU run may need fixes. The references are those of the CPU tests:
+The references are those of the CPU tests:
 the loss must fall below ln 4 (which needs context), the export must load and score like the trained model, and the
 FP8 run must put exactly the layers the config asks for in FP8.
 """
