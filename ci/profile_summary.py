@@ -119,7 +119,7 @@ def summarise(trace: dict, steps: int) -> StepProfile:
 class IdleGap:
     """A stretch of the profiled window in which no kernel or copy ran on the GPU."""
 
-    start_us: float
+    start_us: float  # from the first GPU event of the trace
     length_us: float
     kernel_before: str
     kernel_after: str
@@ -203,9 +203,10 @@ def idle_gaps(trace: dict, min_us: float = 0.0) -> list[IdleGap]:
                 launches[correlation] = event
     host_ops = _host_ops_at(trace["traceEvents"], launches)
     result = []
+    origin = float(gpu_events[0]["ts"])  # gap starts are reported from the first GPU event of the trace
     for start, length, before, after in gaps:
         outer, inner = host_ops.get(after.get("args", {}).get("correlation"), (NO_HOST_OP, NO_HOST_OP))
-        result.append(IdleGap(start, length, before.get("name", ""), after.get("name", ""), outer, inner))
+        result.append(IdleGap(start - origin, length, before.get("name", ""), after.get("name", ""), outer, inner))
     return result
 
 

@@ -172,6 +172,8 @@ def test_a_kernel_without_its_launch_in_the_trace_is_charged_to_no_operator(tmp_
     trace = {"traceEvents": [launched_kernel("a", 0, 10, correlation=1), launched_kernel("b", 20, 10, correlation=2)]}
     (gap,) = profile_summary.idle_gaps(trace)
     assert gap.host_outer == profile_summary.NO_HOST_OP
+    late = {"traceEvents": [launched_kernel("a", 5_000, 10, 1), launched_kernel("b", 5_020, 10, 2)]}
+    assert profile_summary.idle_gaps(late)[0].start_us == 10.0  # counted from the trace's first kernel
     path = tmp_path / "trace.json"
     path.write_text(json.dumps(GAP_TRACE))
     assert profile_summary.main([str(path), "--steps", "1", "--gaps", "2"]) == 0
