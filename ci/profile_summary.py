@@ -190,7 +190,7 @@ def idle_gaps(trace: dict, min_us: float = 0.0) -> list[IdleGap]:
     busy_until, last_event = float("-inf"), None
     for event in gpu_events:
         start, end = float(event["ts"]), float(event["ts"]) + float(event["dur"])
-        if last_event is not None and start - busy_until > min_us and start > busy_until:
+        if last_event is not None and start - busy_until > max(min_us, 0.0):
             gaps.append((busy_until, start - busy_until, last_event, event))
         if end > busy_until:
             busy_until, last_event = end, event
