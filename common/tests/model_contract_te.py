@@ -146,6 +146,37 @@ def test_layer_precision_is_honoured_per_layer(contract):
         assert mlp_projection(layer).fp8 == (wanted == "fp8")
 
 
+@pytest.mark.requires_fp8
+def test_delayed_scaling_updates_the_scales_once_per_run_of_fp8_layers(contract, monkeypatch):
+    """DelayedScaling updates every amax history and scale of the model at each exit from an outermost TE autocast (and
+    at the end of the backward of each autocast region): once per run of FP8 layers, not once per layer
+    (layer_autocast.py). Before, a model with L FP8 layers rolled each amax history L times per step."""
+    from transformer_engine.common import recipe
+    from transformer_engine.pytorch.quantization import FP8GlobalStateManager
+
+    _, bf16_model = torch_and_te_models(contract, contract.te_hf_model())
+    layers = bf16_model.config.num_hidden_layers
+    assert layers >= 4
+    precision = ["fp8"] * layers
+    precision[2] = None  # two runs of FP8 layers: [0, 1] and [3, layers)
+    model = contract.nv_class(
+        type(bf16_model.config)(**{**bf16_model.config.to_dict(), "layer_precision": precision}),
+        fp8_recipe=recipe.DelayedScaling(),
+    ).to("cuda", torch.bfloat16)
+    updates = []
+    update = FP8GlobalStateManager.reduce_and_update_fp8_tensors
+
+    def counted_update(forward: bool = True) -> None:
+        updates.append("forward" if forward else "backward")
+        update(forward=forward)
+
+    monkeypatch.setattr(FP8GlobalStateManager, "reduce_and_update_fp8_tensors", staticmethod(counted_update))
+    model(**cuda(contract.make_batch([64, 32]))).loss.backward()
+    assert updates.count("forward") == 2 and updates.count("backward") == 2, updates
+    for layer, wanted in zip(transformer_layers(model), precision, strict=True):
+        assert qkv_projection(layer).fp8 == (wanted == "fp8")
+
+
 @pytest.mark.requires_gpu
 @pytest.mark.requires_te
 def test_export_loads_on_gpu_with_te(contract, tmp_path):

@@ -15,11 +15,10 @@ with ``cu_seq_lens_q/k`` and ``max_length_q/k``, Hugging Face's names for flash-
 encoder always runs on packed tokens: BSHD input is unpadded on the way in and re-padded on the way out, so no
 compute is spent on padding and no token attends across a sequence boundary.
 
-This file is self-contained apart from ``torch_layers.py``, ``packing.py``, ``meta_init.py`` and
-``activation_recompute.py`` beside it, so the five can be copied into a recipe and shipped inside an exported checkpoint (``trust_remote_code=True``).
+This file is self-contained apart from the modules it imports from beside it (the ``try`` block below), which are
+copied with it into a recipe and shipped with it inside an exported checkpoint (``trust_remote_code=True``).
 """
 
-import contextlib
 import math
 import os
 
@@ -32,6 +31,7 @@ from transformers.modeling_outputs import BaseModelOutput, MaskedLMOutput, Token
 
 try:  # package import (models/esm2, exported checkpoints)
     from .activation_recompute import call_layer, recomputes, refuse_delayed_scaling, validate_recompute_layers
+    from .layer_autocast import LayerAutocast
     from .meta_init import materialize_meta_model
     from .packed_rope import PackedQKVRotary
     from .packing import PackedBatch, pack_inputs, token_mean_loss
@@ -39,6 +39,7 @@ try:  # package import (models/esm2, exported checkpoints)
     from .torch_layers import TransformerLayer as TorchTransformerLayer
 except ImportError:  # flat copy inside a recipe folder
     from activation_recompute import call_layer, recomputes, refuse_delayed_scaling, validate_recompute_layers
+    from layer_autocast import LayerAutocast
     from meta_init import materialize_meta_model
     from packed_rope import PackedQKVRotary
     from packing import PackedBatch, pack_inputs, token_mean_loss
@@ -372,12 +373,10 @@ class NVEsmModel(NVEsmPreTrainedModel):
             layer.set_context_parallel_group(cp_group, cp_global_ranks, cp_stream, cp_comm_type)
         self.cp_group = cp_group
 
-    def _precision_context(self, layer_index: int):
-        precision = self.layer_precision[layer_index]
-        if self.backend != "te" or all(p is None for p in self.layer_precision):
-            return contextlib.nullcontext()  # leave any caller-level autocast in charge
-        recipe = self._recipes.get(precision) if precision else None
-        return te.autocast(enabled=recipe is not None, recipe=recipe)
+    def _layer_autocast(self) -> LayerAutocast:
+        """TE autocast regions for the layer loop: one per run of layers with the same ``layer_precision``
+        (layer_autocast.py)."""
+        return LayerAutocast(self.layer_precision, self._recipes, te.autocast if self.backend == "te" else None)
 
     def _alignment(self) -> int:
         return 16 if any(p is not None for p in self.layer_precision) else 1
@@ -402,10 +401,11 @@ class NVEsmModel(NVEsmPreTrainedModel):
             refuse_delayed_scaling(self)  # recompute can also be switched on after construction
         rotary = self._layer_rotary(packed, self.encoder.rotary_embeddings(packed.max_seqlen))
         all_hidden = []
-        for index, layer in enumerate(self.encoder.layers):
-            if output_hidden_states:
-                all_hidden.append(hidden)
-            with self._precision_context(index):
+        with self._layer_autocast() as regions:
+            for index, layer in enumerate(self.encoder.layers):
+                if output_hidden_states:
+                    all_hidden.append(hidden)
+                regions.enter_layer(index)
                 hidden = call_layer(
                     layer, recomputes(self, index), hidden, rotary_pos_emb=rotary, **packed.layer_boundaries()
                 )

@@ -20,11 +20,10 @@ time (greedy, sampling, beam search), on both backends: a cached step runs each 
 RMSNorm+QKV GEMM, output projection and RMSNorm+SwiGLU MLP, or their torch twins) around an attention over the
 cached keys (``NVLlamaModel.forward_cached``). Cached steps run in the weights' dtype (FP8 layers decode in bf16).
 
-This file is self-contained apart from ``torch_layers.py``, ``packing.py``, ``meta_init.py`` and
-``activation_recompute.py`` beside it, so the five can be copied into a recipe and shipped inside an exported checkpoint (``trust_remote_code=True``).
+This file is self-contained apart from the modules it imports from beside it (the ``try`` block below), which are
+copied with it into a recipe and shipped with it inside an exported checkpoint (``trust_remote_code=True``).
 """
 
-import contextlib
 import math
 
 import torch
@@ -36,6 +35,7 @@ from transformers.modeling_outputs import BaseModelOutputWithPast, CausalLMOutpu
 
 try:  # package import (models/llama3, exported checkpoints)
     from .activation_recompute import call_layer, recomputes, refuse_delayed_scaling, validate_recompute_layers
+    from .layer_autocast import LayerAutocast
     from .meta_init import materialize_meta_model
     from .packing import PackedBatch, pack_inputs, token_mean_loss
     from .torch_layers import DotProductAttention as TorchDotProductAttention
@@ -43,6 +43,7 @@ try:  # package import (models/llama3, exported checkpoints)
     from .torch_layers import apply_rotary_pos_emb
 except ImportError:  # flat copy inside a recipe folder
     from activation_recompute import call_layer, recomputes, refuse_delayed_scaling, validate_recompute_layers
+    from layer_autocast import LayerAutocast
     from meta_init import materialize_meta_model
     from packing import PackedBatch, pack_inputs, token_mean_loss
     from torch_layers import DotProductAttention as TorchDotProductAttention
@@ -372,12 +373,10 @@ class NVLlamaModel(NVLlamaPreTrainedModel):
             layer.set_context_parallel_group(cp_group, cp_global_ranks, cp_stream, cp_comm_type)
         self.cp_group = cp_group
 
-    def _precision_context(self, layer_index: int):
-        precision = self.layer_precision[layer_index]
-        if self.backend != "te" or all(p is None for p in self.layer_precision):
-            return contextlib.nullcontext()  # leave any caller-level autocast in charge
-        recipe = self._recipes.get(precision) if precision else None
-        return te.autocast(enabled=recipe is not None, recipe=recipe)
+    def _layer_autocast(self) -> LayerAutocast:
+        """TE autocast regions for the layer loop: one per run of layers with the same ``layer_precision``
+        (layer_autocast.py)."""
+        return LayerAutocast(self.layer_precision, self._recipes, te.autocast if self.backend == "te" else None)
 
     def _alignment(self) -> int:
         return 16 if any(p is not None for p in self.layer_precision) else 1
@@ -411,10 +410,11 @@ class NVLlamaModel(NVLlamaPreTrainedModel):
             refuse_delayed_scaling(self)  # recompute can also be switched on after construction
         rotary = self.rotary_emb(packed.max_seqlen)
         all_hidden = []
-        for index, layer in enumerate(self.layers):
-            if output_hidden_states:
-                all_hidden.append(hidden)
-            with self._precision_context(index):
+        with self._layer_autocast() as regions:
+            for index, layer in enumerate(self.layers):
+                if output_hidden_states:
+                    all_hidden.append(hidden)
+                regions.enter_layer(index)
                 hidden = call_layer(
                     layer, recomputes(self, index), hidden, rotary_pos_emb=rotary, **packed.layer_boundaries()
                 )

@@ -22,11 +22,10 @@ parameters (``tensor_model_parallel``, ``partition_dim``), which is what Megatro
 to checkpoint them as DTensors of the full shape. :func:`tensor_parallel_shard` cuts a full (1-GPU) state dict into a
 rank's share, so a tensor-parallel model starts from exactly the weights a single GPU would.
 
-This file is self-contained apart from ``torch_layers.py`` and ``meta_init.py`` beside it, so they can be copied into
-a recipe and shipped inside an exported checkpoint (``trust_remote_code=True``).
+This file is self-contained apart from the modules it imports from beside it (the ``try`` block below), which are
+copied with it into a recipe and shipped with it inside an exported checkpoint (``trust_remote_code=True``).
 """
 
-import contextlib
 import math
 
 import torch
@@ -37,9 +36,11 @@ from transformers.modeling_outputs import BaseModelOutputWithPooling, ImageClass
 
 
 try:  # package import (models/vit, exported checkpoints)
+    from .layer_autocast import LayerAutocast
     from .meta_init import materialize_meta_model
     from .torch_layers import TransformerLayer as TorchTransformerLayer
 except ImportError:  # flat copy inside a recipe folder
+    from layer_autocast import LayerAutocast
     from meta_init import materialize_meta_model
     from torch_layers import TransformerLayer as TorchTransformerLayer
 
@@ -354,12 +355,10 @@ class NVViTModel(NVViTPreTrainedModel):
     def get_input_embeddings(self) -> nn.Module:
         return self.embeddings.patch_embeddings
 
-    def _precision_context(self, layer_index: int):
-        precision = self.layer_precision[layer_index]
-        if self.backend != "te" or all(p is None for p in self.layer_precision):
-            return contextlib.nullcontext()  # leave any caller-level autocast in charge
-        recipe = self._recipes.get(precision) if precision else None
-        return te.autocast(enabled=recipe is not None, recipe=recipe)
+    def _layer_autocast(self) -> LayerAutocast:
+        """TE autocast regions for the layer loop: one per run of layers with the same ``layer_precision``
+        (layer_autocast.py)."""
+        return LayerAutocast(self.layer_precision, self._recipes, te.autocast if self.backend == "te" else None)
 
     def _pad_for_quantized_gemms(self, hidden: torch.Tensor) -> tuple[torch.Tensor, dict]:
         """Pad the sequence to a multiple of 16 tokens when any layer is quantized; the padding keys are masked."""
@@ -385,10 +384,11 @@ class NVViTModel(NVViTPreTrainedModel):
         tokens = hidden.shape[1]
         hidden, mask_kwargs = self._pad_for_quantized_gemms(hidden)
         all_hidden = []  # as Hugging Face: the embeddings, then each layer's output (the last one before the norm)
-        for index, layer in enumerate(self.encoder.layers):
-            if output_hidden_states:
-                all_hidden.append(hidden[:, :tokens])
-            with self._precision_context(index):
+        with self._layer_autocast() as regions:
+            for index, layer in enumerate(self.encoder.layers):
+                if output_hidden_states:
+                    all_hidden.append(hidden[:, :tokens])
+                regions.enter_layer(index)
                 hidden = layer(hidden, **mask_kwargs)
         if output_hidden_states:
             all_hidden.append(hidden[:, :tokens])

@@ -609,6 +609,51 @@ def test_quantized_layers_on_the_torch_backend_are_refused(contract):
         contract.nv_class(config, fp8_recipe=object())
 
 
+def test_layer_autocast_opens_one_region_per_run_of_equal_precision(contract):
+    """The models enter TE's autocast once per run of same-precision layers (layer_autocast.py); here with a recording
+    stand-in for ``te.autocast`` (the GPU contract counts TE's own scale updates)."""
+    import contextlib
+
+    layer_autocast_class = sys.modules[contract.nv_class.__module__].LayerAutocast
+    events = []
+
+    @contextlib.contextmanager
+    def autocast(enabled, recipe):
+        events.append(("enter", enabled, recipe))
+        try:
+            yield
+        finally:
+            events.append(("exit", recipe))
+
+    precision = ["fp8", "fp8", None, None, "fp4", "fp8"]
+    with layer_autocast_class(precision, {"fp8": "FP8", "fp4": "FP4"}, autocast) as regions:
+        for index in range(len(precision)):
+            regions.enter_layer(index)
+            events.append(index)
+    assert events == [
+        ("enter", True, "FP8"), 0, 1, ("exit", "FP8"),
+        ("enter", False, None), 2, 3, ("exit", None),
+        ("enter", True, "FP4"), 4, ("exit", "FP4"),
+        ("enter", True, "FP8"), 5, ("exit", "FP8"),
+    ]  # fmt: skip
+
+    events.clear()  # no quantized layer, or no TE: nothing entered, a caller's autocast stays in charge
+    for precision, te_autocast in (([None] * 3, autocast), (["fp8"] * 3, None)):
+        with layer_autocast_class(precision, {"fp8": "FP8"}, te_autocast) as regions:
+            for index in range(3):
+                regions.enter_layer(index)
+    assert events == []
+
+    # An error in a layer closes the open region (and is not swallowed).
+    with (
+        pytest.raises(RuntimeError, match="layer failed"),
+        layer_autocast_class(["fp8"] * 2, {"fp8": "FP8"}, autocast) as regions,
+    ):
+        regions.enter_layer(0)
+        raise RuntimeError("layer failed")
+    assert events == [("enter", True, "FP8"), ("exit", "FP8")]
+
+
 def test_bad_cu_seq_lens_are_named(contract):
     nv_model = torch_model(contract)
     batch = pack(contract.make_batch([10, 6]))

@@ -55,6 +55,7 @@ CONTRACTS = {
             "meta_init.py",
             "te_attention.py",
             "activation_recompute.py",
+            "layer_autocast.py",
             "packed_rope.py",
         ),
         te_hf_model=partial(reference_model, {**shape_of("AMPLIFY_120M"), "num_hidden_layers": 4}),

@@ -53,6 +53,7 @@ CONTRACTS = {
             "packing.py",
             "meta_init.py",
             "activation_recompute.py",
+            "layer_autocast.py",
         ),
         te_hf_model=partial(reference_model, {**shape_of("encodon_80m"), "num_hidden_layers": 4}),
     )

@@ -57,6 +57,7 @@ CONTRACTS = {
             "meta_init.py",
             "te_attention.py",
             "activation_recompute.py",
+            "layer_autocast.py",
             "packed_rope.py",
         ),
         te_hf_model=partial(stock_model, shape_of("esm2_t6_8M_UR50D")),

@@ -57,6 +57,7 @@ CONTRACTS = {
             "meta_init.py",
             "te_attention.py",
             "activation_recompute.py",
+            "layer_autocast.py",
         ),
         te_hf_model=partial(stock_model, **{**shape_of("geneformer_10M"), "num_hidden_layers": 4}),
         rotary=False,

@@ -69,6 +69,7 @@ def llama_contract(tie: bool, shape: str, rope: str) -> ModelContract:
             "packing.py",
             "meta_init.py",
             "activation_recompute.py",
+            "layer_autocast.py",
         ),
         te_hf_model=partial(stock_model, TE_SHAPE, LLAMA3_ROPE, tie),
         te_checked_gradients=(

@@ -126,6 +126,39 @@ def test_layer_precision_is_honoured_per_layer():
         assert layer.layernorm_mlp.fp8 == (wanted == "fp8")
 
 
+@pytest.mark.requires_fp8
+def test_delayed_scaling_updates_the_scales_once_per_run_of_fp8_layers(monkeypatch):
+    """One amax/scale update per run of FP8 layers and direction, not one per layer (layer_autocast.py)."""
+    from transformer_engine.common import recipe
+    from transformer_engine.pytorch.quantization import FP8GlobalStateManager
+
+    _, bf16_model = torch_and_te_models()
+    precision = ["fp8", None, "fp8"]  # two runs
+    model = NVViTForImageClassification(
+        NVViTConfig(**{**bf16_model.config.to_dict(), "layer_precision": precision}),
+        fp8_recipe=recipe.DelayedScaling(),
+    ).to("cuda", torch.bfloat16)
+    updates = []
+    update = FP8GlobalStateManager.reduce_and_update_fp8_tensors
+
+    def counted_update(forward: bool = True) -> None:
+        updates.append("forward" if forward else "backward")
+        update(forward=forward)
+
+    monkeypatch.setattr(FP8GlobalStateManager, "reduce_and_update_fp8_tensors", staticmethod(counted_update))
+    pixels, labels = batch()
+    model(pixels.bfloat16(), labels=labels).loss.backward()
+    assert updates.count("forward") == 2 and updates.count("backward") == 2, updates
+
+    updates.clear()  # every layer FP8: one region, one update each way
+    model = NVViTForImageClassification(
+        NVViTConfig(**{**bf16_model.config.to_dict(), "layer_precision": ["fp8"] * 3}),
+        fp8_recipe=recipe.DelayedScaling(),
+    ).to("cuda", torch.bfloat16)
+    model(pixels.bfloat16(), labels=labels).loss.backward()
+    assert updates == ["forward", "backward"], updates
+
+
 @pytest.mark.requires_gpu
 @pytest.mark.requires_te
 def test_export_loads_on_gpu_with_te(tmp_path):
