@@ -11,8 +11,8 @@ will shard:
 - FSDP (``strategy: fsdp``, Lightning's ``FSDPStrategy``): built whole on this process's device; Lightning wraps each
   ``EncodonLayer`` (the auto-wrap policy, :func:`fsdp_unit`) and shards it right after ``configure_model``.
 
-FP8 runs through the model's own per-layer ``te.autocast`` (``layer_precision`` + the TE recipe built here by
-``quantization.py``), not through a Lightning precision plugin: see trainer_setup.py.
+FP8 runs through the model's own ``te.autocast``, one per run of same-precision layers (``layer_precision`` + the TE
+recipe built here by ``quantization.py``), not through a Lightning precision plugin: see trainer_setup.py.
 """
 
 import logging

@@ -11,9 +11,10 @@
   ``MixedPrecisionPolicy`` from mixed_precision.py; FSDP1's ``MixedPrecision`` with the same dtypes). Neither casts
   buffers or forward inputs: the rotary table stays float32 (bf16 would put positions in the thousands whole radians
   off). ``32-true`` is plain float32 (CPU runs). FP8 is not a Lightning precision: the model runs its FP8 layers in
-  its own per-layer ``te.autocast`` (``fp8_config``), inside Lightning's bf16 autocast, so the first and last layers
-  and the MLM head can stay in bf16. Lightning's ``TransformerEnginePrecision`` plugin is not used: it would swap
-  ``nn.Linear`` for TE layers and put the whole forward, head included, under one FP8 recipe.
+  its own ``te.autocast``, one per run of same-precision layers (``fp8_config``; layer_autocast.py), inside
+  Lightning's bf16 autocast, so the first and last layers and the MLM head can stay in bf16. Lightning's
+  ``TransformerEnginePrecision`` plugin is not used: it would swap ``nn.Linear`` for TE layers and put the whole
+  forward, head included, under one FP8 recipe.
 - **Checkpoints**: Lightning's ``ModelCheckpoint`` written through :class:`checkpoint_io.AtomicCheckpointIO`.
 """
 
