@@ -6,10 +6,10 @@ outermost TE autocast is not free under FP8 ``DelayedScaling``: TE keeps one ama
 FP8 module that has run under it (here, the whole layer stack), and each exit from an outermost autocast concatenates
 all of those amaxes, updates every scale and rolls every amax history by one row; the backward of the first FP8
 module of each autocast region does the same for the gradients. With an autocast per layer, that happened once per
-layer and direction: for ESM-2 3B 36 concatenations and updates in forward (whose host time the GPU waits for: the
-FP8 forward is host-bound) and 36 in backward, and every amax history rolled 36 times per step, so an
-``amax_history_len=1024`` history held only the last ~28 steps, mostly as zero rows. One autocast per run restores
-TE's intended once-per-step update. Current and block scaling keep no such buffer; for them the change only saves
+layer and direction (for ESM-2 3B, 36 concatenations and updates in forward and 36 in backward), and every amax
+history rolled 36 times per step, so an ``amax_history_len=1024`` history held only the last ~28 steps, mostly as
+zero rows. One autocast per run restores TE's intended once-per-step update (the host work it saves was within the
+noise of a 3B FP8 step: docs/benchmarks.md). Current and block scaling keep no such buffer; for them the change only saves
 the cost of entering and leaving the contexts.
 
 Use it around the layer loop::
