@@ -14,9 +14,11 @@ gradient norm, tokens/s, MFU, ETA), and the bars of transformers, huggingface_hu
 preparing data, writing the export) are off: :func:`quiet_progress_bars_off_a_terminal`, first thing in a run.
 """
 
+import cProfile
 import json
 import logging
 import math
+import pstats
 import statistics
 import sys
 import time
@@ -329,18 +331,24 @@ def _init_wandb(cfg):
 
 
 class Profiler:
-    """Profile steps ``start_step..end_step`` (inclusive) with torch.profiler or as an Nsight Systems capture range.
+    """Profile steps ``start_step..end_step`` (inclusive) with torch.profiler, as an Nsight Systems capture range, or
+    with Python's cProfile.
 
     ``kind: torch`` writes a Chrome trace per rank to ``<output_dir>/profile_rank<r>.json``. ``kind: nsys`` calls
     ``cudaProfilerStart/Stop`` around the window and marks each step with an NVTX range; run under
-    ``nsys profile --capture-range=cudaProfilerApi``.
+    ``nsys profile --capture-range=cudaProfilerApi``. ``kind: python`` profiles the host's Python (where a
+    host-bound step spends its time: module calls, hooks, kernel launches) and writes
+    ``<output_dir>/host_profile_rank<r>.txt`` (the top functions by own and by cumulative time) and
+    ``host_profile_rank<r>.pstats`` (for ``python -m pstats`` or snakeviz). On Python 3.12 and later it sees every
+    thread, autograd's backward thread included; before, only the training loop's. Its per-call overhead inflates
+    short Python functions: compare functions, not the step time.
     """
 
     def __init__(self, cfg, output_dir: str | Path):
         self.enabled = bool(cfg.enabled)
         self.kind, self.start_step, self.end_step = cfg.kind, int(cfg.start_step), int(cfg.end_step)
-        if self.enabled and self.kind not in ("torch", "nsys"):
-            raise ConfigError(f"profiler.kind={self.kind}: choose torch or nsys")
+        if self.enabled and self.kind not in ("torch", "nsys", "python"):
+            raise ConfigError(f"profiler.kind={self.kind}: choose torch, nsys or python")
         if self.enabled and self.end_step < self.start_step:
             raise ConfigError(
                 f"profiler.end_step={self.end_step} comes before profiler.start_step={self.start_step}: "
@@ -348,6 +356,7 @@ class Profiler:
             )
         self.output_dir = Path(output_dir)
         self._torch_profiler = None
+        self._host_profiler = None
 
     def step_context(self, step: int):
         """Wrap optimizer step ``step`` (1-based): starts the window on its first step, stops after its last."""
@@ -359,6 +368,10 @@ class Profiler:
         if self.kind == "nsys":
             torch.cuda.profiler.start()
             return
+        if self.kind == "python":
+            self._host_profiler = cProfile.Profile()
+            self._host_profiler.enable()
+            return
         activities = [torch.profiler.ProfilerActivity.CPU]
         if torch.cuda.is_available():
             activities.append(torch.profiler.ProfilerActivity.CUDA)
@@ -369,8 +382,20 @@ class Profiler:
         if self.kind == "nsys":
             torch.cuda.profiler.stop()
             return
-        self._torch_profiler.__exit__(None, None, None)
         rank = dist.get_rank() if dist.is_initialized() else 0
+        if self.kind == "python":
+            self._host_profiler.disable()
+            self.output_dir.mkdir(parents=True, exist_ok=True)
+            self._host_profiler.dump_stats(self.output_dir / f"host_profile_rank{rank}.pstats")
+            report = self.output_dir / f"host_profile_rank{rank}.txt"
+            with report.open("w") as out:
+                for order in ("tottime", "cumulative"):
+                    out.write(f"# steps {self.start_step}-{self.end_step}, sorted by {order}\n")
+                    pstats.Stats(self._host_profiler, stream=out).sort_stats(order).print_stats(60)
+            logger.info("Wrote host profile %s", report)
+            self._host_profiler = None
+            return
+        self._torch_profiler.__exit__(None, None, None)
         trace = self.output_dir / f"profile_rank{rank}.json"
         self._torch_profiler.export_chrome_trace(str(trace))
         logger.info("Wrote profiler trace %s", trace)

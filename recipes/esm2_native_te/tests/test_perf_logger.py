@@ -1,4 +1,5 @@
 import json
+import pstats
 import sys
 
 import pytest
@@ -159,6 +160,29 @@ def test_torch_profiler_traces_only_its_window(tmp_path):
         active = profiler._torch_profiler is not None
         assert active == (step == 2), step  # running after step 2, stopped and written after step 3
     assert (tmp_path / "profile_rank0.json").stat().st_size > 0
+
+
+def _host_work():
+    return sum(i * i for i in range(2000))
+
+
+def test_python_profiler_profiles_only_its_window(tmp_path):
+    cfg = OmegaConf.create({"enabled": True, "kind": "python", "start_step": 2, "end_step": 3})
+    profiler = Profiler(cfg, tmp_path / "out")
+    for step in range(1, 5):
+        with profiler.step_context(step):
+            _host_work()
+        assert (profiler._host_profiler is not None) == (step == 2), step
+    stats = pstats.Stats(str(tmp_path / "out" / "host_profile_rank0.pstats"))
+    calls = {func[2]: stat[1] for func, stat in stats.stats.items()}  # function name -> primitive calls
+    assert calls["_host_work"] == 2  # steps 2 and 3, not 1 or 4
+    report = (tmp_path / "out" / "host_profile_rank0.txt").read_text()
+    assert "sorted by tottime" in report and "sorted by cumulative" in report and "_host_work" in report
+
+
+def test_profiler_kind_is_validated(tmp_path):
+    with pytest.raises(ValueError, match="profiler.kind=perf: choose torch, nsys or python"):
+        Profiler(OmegaConf.create({"enabled": True, "kind": "perf", "start_step": 1, "end_step": 1}), tmp_path)
 
 
 def test_profiler_window_is_validated(tmp_path):
