@@ -91,7 +91,7 @@ def test_te_backend_on_a_machine_without_it(tmp_path):
     ("override", "phrase"),
     [
         ("wandb.mode=onlin", "wandb.mode=onlin: choose online, offline or disabled"),
-        ("profiler.enabled=true profiler.kind=nsight", "profiler.kind=nsight: choose torch or nsys"),
+        ("profiler.enabled=true profiler.kind=nsight", "profiler.kind=nsight: choose torch, nsys or python"),
         ("profiler.enabled=true profiler.start_step=5 profiler.end_step=2", "set end_step >= start_step"),
     ],
 )
