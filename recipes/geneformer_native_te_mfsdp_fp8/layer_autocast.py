@@ -10,8 +10,8 @@ module of each autocast region does the same for the gradients. With an autocast
 layer and direction (for ESM-2 3B, 36 concatenations and updates in forward and 36 in backward), and every amax
 history rolled 36 times per step, so an ``amax_history_len=1024`` history held only the last ~28 steps, mostly as
 zero rows. One autocast per run restores TE's intended once-per-step update (the host work it saves was within the
-noise of a 3B FP8 step: docs/benchmarks.md). Current and block scaling keep no such buffer; for them the change only saves
-the cost of entering and leaving the contexts.
+noise of a 3B FP8 step: docs/benchmarks.md). Current and block scaling keep no such buffer; for them the change only
+saves the cost of entering and leaving the contexts.
 
 Use it around the layer loop::
 
