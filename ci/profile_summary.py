@@ -16,6 +16,14 @@ of each group (GEMM, attention, RoPE, norms, FP8 quantisation, activations, elem
 charged to the host operator that launched the kernel ending it (the outermost operator on the launching thread,
 e.g. ``Optimizer.step#CompensatedAdamW.step`` or an autograd ``evaluate_function``), and the K longest stretches are
 listed with the kernels around them.
+
+``--queue`` answers "is the host ahead of the GPU, and where does it fall behind": every kernel's *lead* is the time
+from its launch on the host to its start on the GPU (how long it sat in the queue). Each profiled step
+(``ProfilerStep#N``) is cut into ten slices of host time, and the median lead of the kernels launched in each slice
+is printed: near zero, the GPU runs each kernel as soon as the host issues it (host-bound); tens of milliseconds, the
+host is that far ahead. It also lists the host calls that wait for the GPU (``cudaStreamSynchronize``,
+``cudaMemcpy``, ``cudaFree``, ... and any launch or copy call that took over a millisecond): after such a call the
+queue is empty and the host's lead starts again from zero.
 """
 
 import argparse
@@ -51,6 +59,11 @@ GPU_CATEGORIES = {"kernel", "gpu_memcpy", "gpu_memset"}
 HOST_OP_CATEGORIES = {"cpu_op", "user_annotation", "python_function"}
 LAUNCH_CATEGORIES = {"cuda_runtime", "cuda_driver"}
 NO_HOST_OP = "(no host operator around the launch)"
+# Runtime and driver calls that block the host until the GPU has caught up (or may: a copy from pageable memory).
+BLOCKING_CALL = re.compile(
+    r"Synchronize|^cudaMemcpy$|^cudaMemcpy2D$|^cudaMemset$|^cudaFree|^cuMemFree|^cudaMalloc|^cudaHostAlloc"
+)
+SLOW_CALL_US = 1000.0  # any other runtime call this long is listed too (e.g. a launch that found the queue full)
 
 
 def kernel_group(name: str) -> str:
@@ -235,6 +248,103 @@ def render_gaps(gaps: list[IdleGap], steps: int, count: int) -> str:
     return "\n".join(lines)
 
 
+@dataclass
+class QueueProfile:
+    """How far the host runs ahead of the GPU, per tenth of a step, and the host calls that waited for the GPU."""
+
+    steps: int
+    # One row per profiled step (ProfilerStep#N, in order): the median launch-to-start delay of the kernels launched
+    # in each tenth of the step, and how many were launched there. Steps differ: one that follows a host-device sync
+    # (a logging step's read-back, the profiler's start) begins with an empty queue.
+    step_names: list[str]
+    lead_us: list[list[float]]
+    kernels: list[list[int]]
+    blocking: dict[str, tuple[float, int, str]]  # call -> (us per step, calls in the trace, where the longest was)
+
+
+def _median(values: list[float]) -> float:
+    ordered = sorted(values)
+    middle = len(ordered) // 2
+    return ordered[middle] if len(ordered) % 2 else (ordered[middle - 1] + ordered[middle]) / 2
+
+
+def queue_profile(trace: dict, steps: int) -> QueueProfile:
+    """The host's lead over the GPU through the profiled steps (see ``--queue`` in the module docstring)."""
+    events = trace.get("traceEvents", [])
+    step_spans = sorted(
+        (float(e["ts"]), float(e["ts"]) + float(e["dur"]), str(e["name"]))
+        for e in events
+        if e.get("ph") == "X" and str(e.get("name", "")).startswith("ProfilerStep#")
+    )
+    if not step_spans:
+        raise ValueError(
+            "the trace has no ProfilerStep#N markers: record it with torch.profiler's schedule and step()"
+        )
+    launches = {
+        e["args"]["correlation"]: e
+        for e in events
+        if e.get("ph") == "X" and e.get("cat") in LAUNCH_CATEGORIES and "correlation" in e.get("args", {})
+    }
+    leads: list[list[list[float]]] = [[[] for _ in range(10)] for _ in step_spans]
+    for kernel in _gpu_events(trace):
+        launch = launches.get(kernel.get("args", {}).get("correlation"))
+        if launch is None:
+            continue
+        launched = float(launch["ts"])
+        for index, (start, end, _) in enumerate(step_spans):
+            if start <= launched < end:
+                tenth = min(int(10 * (launched - start) / (end - start)), 9)
+                leads[index][tenth].append(float(kernel["ts"]) - launched)
+                break
+    waits = [
+        e
+        for e in events
+        if e.get("ph") == "X"
+        and e.get("cat") in LAUNCH_CATEGORIES
+        and (BLOCKING_CALL.search(str(e.get("name", ""))) or float(e.get("dur", 0)) >= SLOW_CALL_US)
+    ]
+    host_ops = _host_ops_at(events, dict(enumerate(waits)))
+    blocking: dict[str, tuple[float, int, str]] = {}
+    for index, event in sorted(enumerate(waits), key=lambda item: -float(item[1].get("dur", 0))):
+        total, count, where = blocking.get(event["name"], (0.0, 0, ""))
+        outer, inner = host_ops[index]
+        blocking[event["name"]] = (total + float(event.get("dur", 0)), count + 1, where or f"{outer} > {inner}")
+    return QueueProfile(
+        steps=steps,
+        step_names=[name for _, _, name in step_spans],
+        lead_us=[[_median(values) if values else float("nan") for values in step] for step in leads],
+        kernels=[[len(values) for values in step] for step in leads],
+        blocking={name: (total / steps, count, where) for name, (total, count, where) in blocking.items()},
+    )
+
+
+def render_queue(queue: QueueProfile) -> str:
+    ms = 1e-3
+    lines = [
+        "How far the host is ahead of the GPU: the median launch-to-start delay (ms) of the kernels launched in each "
+        "tenth of a step (near 0: the GPU waits for the host), and the kernels launched there:",
+        "",
+        "| step | " + " | ".join(str(i + 1) for i in range(10)) + " |",
+        "|---|" + "---|" * 10,
+    ]
+    for name, leads, kernels in zip(queue.step_names, queue.lead_us, queue.kernels):
+        cells = [f"{lead * ms:.2f} ({count})" for lead, count in zip(leads, kernels)]
+        lines.append(f"| {name.removeprefix('ProfilerStep#')} | " + " | ".join(cells) + " |")
+    lines.append("")
+    if not queue.blocking:
+        lines.append("No host call waited for the GPU.")
+        return "\n".join(lines)
+    lines += [
+        "Host calls that waited for the GPU (or took over 1 ms):",
+        "",
+        "| call | ms/step | calls in the trace | the longest was in |",
+        "|---|---|---|---|",
+    ]
+    for name, (total, count, where) in sorted(queue.blocking.items(), key=lambda item: -item[1][0]):
+        lines.append(f"| {name} | {total * ms:.2f} | {count} | {where[:120]} |")
+    return "\n".join(lines)
+
+
 def _largest(profile: StepProfile, group: str, count: int) -> list[tuple[str, float]]:
     return sorted(profile.kernel_us.get(group, {}).items(), key=lambda item: -item[1])[:count]
 
@@ -278,6 +388,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument(
         "--gaps", type=int, default=0, help="also charge the GPU's idle time to host operators and list the K longest"
     )
+    parser.add_argument(
+        "--queue", action="store_true", help="also show how far the host runs ahead of the GPU, and its waits for it"
+    )
     args = parser.parse_args(argv)
     if not args.trace.is_file():
         parser.error(f"no trace at {args.trace}")
@@ -287,6 +400,9 @@ def main(argv: list[str] | None = None) -> int:
         if args.gaps > 0:
             print()
             print(render_gaps(idle_gaps(trace), args.steps, args.gaps))
+        if args.queue:
+            print()
+            print(render_queue(queue_profile(trace, args.steps)))
     except (ValueError, json.JSONDecodeError) as error:
         print(f"profile_summary: {args.trace}: {error}", file=sys.stderr)
         return 2

@@ -1,6 +1,7 @@
 """ci/profile_summary.py: kernel grouping, GPU-busy time and per-step averages on hand-written traces."""
 
 import json
+import math
 import sys
 from pathlib import Path
 
@@ -179,3 +180,49 @@ def test_a_kernel_without_its_launch_in_the_trace_is_charged_to_no_operator(tmp_
     assert profile_summary.main([str(path), "--steps", "1", "--gaps", "2"]) == 0
     out = capsys.readouterr().out
     assert "| GEMM |" in out and "GPU idle 0.0 ms per step in 2 gaps" in out
+
+
+def sync(name, ts, dur, tid=1):
+    return {"ph": "X", "cat": "cuda_runtime", "name": name, "ts": ts, "dur": dur, "pid": 1, "tid": tid, "args": {}}
+
+
+def test_queue_lead_per_tenth_of_a_step_and_the_host_calls_that_waited():
+    # One 1,000 us step. Early on the host is 200 us ahead (kernels start 200 us after their launch); a
+    # cudaStreamSynchronize inside the loss's .item() empties the queue, and after it every kernel starts 5 us after
+    # its launch: the host is behind.
+    events = [
+        host("ProfilerStep#7", 0, 1000, tid=1, cat="user_annotation"),
+        host("aten::item", 390, 120, tid=1),
+        sync("cudaStreamSynchronize", 400, 100),
+        sync("cudaLaunchKernel", 950, 1500),  # a launch this slow is listed too
+    ]
+    for index, launched in enumerate((10, 110, 210, 310)):
+        events += [launch(index, launched, tid=1), launched_kernel(f"gemm_{index}", launched + 200, 50, index)]
+    for index, launched in enumerate((520, 620, 720, 820, 920), start=10):
+        events += [launch(index, launched, tid=1), launched_kernel(f"gemm_{index}", launched + 5, 50, index)]
+    queue = profile_summary.queue_profile({"traceEvents": events}, steps=1)
+    assert queue.step_names == ["ProfilerStep#7"]
+    (leads,) = queue.lead_us
+    assert leads[:4] == [200.0, 200.0, 200.0, 200.0]
+    assert math.isnan(leads[4])  # nothing launched while the host waited
+    assert leads[5:] == [5.0] * 5
+    assert queue.kernels == [[1, 1, 1, 1, 0, 1, 1, 1, 1, 1]]
+    assert queue.blocking["cudaStreamSynchronize"] == (100.0, 1, "aten::item > aten::item")
+    assert queue.blocking["cudaLaunchKernel"][:2] == (1500.0, 1)
+    assert "cudaLaunchKernel" not in {name for name, (total, _, _) in queue.blocking.items() if total < 1000}
+
+    text = profile_summary.render_queue(queue)
+    assert "| 7 | 0.20 (1) | 0.20 (1) | 0.20 (1) | 0.20 (1) | nan (0) | 0.01 (1) |" in text
+    assert text.index("cudaLaunchKernel") < text.index("cudaStreamSynchronize")  # longest total first
+
+
+def test_queue_needs_step_markers(tmp_path, capsys):
+    with pytest.raises(ValueError, match="ProfilerStep"):
+        profile_summary.queue_profile({"traceEvents": [launched_kernel("a", 0, 10, correlation=1)]}, steps=1)
+    path = tmp_path / "trace.json"
+    path.write_text(json.dumps(GAP_TRACE))
+    assert profile_summary.main([str(path), "--steps", "1", "--queue"]) == 0
+    out = capsys.readouterr().out
+    assert "No host call waited for the GPU." in out
+    # ProfilerStep#1 (400 us): gemm_b launched at 25 us, started 35 us later; the optimizer's kernel at 155 us, 5 us.
+    assert "| 1 | 0.04 (1) | nan (0) | nan (0) | 0.01 (1) | nan (0) |" in out
