@@ -257,6 +257,7 @@ class QueueProfile:
     # in each tenth of the step, and how many were launched there. Steps differ: one that follows a host-device sync
     # (a logging step's read-back, the profiler's start) begins with an empty queue.
     step_names: list[str]
+    step_us: list[float]  # each step's length on the host
     lead_us: list[list[float]]
     kernels: list[list[int]]
     blocking: dict[str, tuple[float, int, str]]  # call -> (us per step, calls in the trace, where the longest was)
@@ -274,7 +275,9 @@ def queue_profile(trace: dict, steps: int) -> QueueProfile:
     step_spans = sorted(
         (float(e["ts"]), float(e["ts"]) + float(e["dur"]), str(e["name"]))
         for e in events
-        if e.get("ph") == "X" and str(e.get("name", "")).startswith("ProfilerStep#")
+        if e.get("ph") == "X"
+        and e.get("cat") in HOST_OP_CATEGORIES  # not the gpu_user_annotation Kineto writes under the same name
+        and str(e.get("name", "")).startswith("ProfilerStep#")
     )
     if not step_spans:
         raise ValueError(
@@ -312,6 +315,7 @@ def queue_profile(trace: dict, steps: int) -> QueueProfile:
     return QueueProfile(
         steps=steps,
         step_names=[name for _, _, name in step_spans],
+        step_us=[end - start for start, end, _ in step_spans],
         lead_us=[[_median(values) if values else float("nan") for values in step] for step in leads],
         kernels=[[len(values) for values in step] for step in leads],
         blocking={name: (total / steps, count, where) for name, (total, count, where) in blocking.items()},
@@ -324,12 +328,12 @@ def render_queue(queue: QueueProfile) -> str:
         "How far the host is ahead of the GPU: the median launch-to-start delay (ms) of the kernels launched in each "
         "tenth of a step (near 0: the GPU waits for the host), and the kernels launched there:",
         "",
-        "| step | " + " | ".join(str(i + 1) for i in range(10)) + " |",
-        "|---|" + "---|" * 10,
+        "| step | ms | " + " | ".join(str(i + 1) for i in range(10)) + " |",
+        "|---|---|" + "---|" * 10,
     ]
-    for name, leads, kernels in zip(queue.step_names, queue.lead_us, queue.kernels):
+    for name, length, leads, kernels in zip(queue.step_names, queue.step_us, queue.lead_us, queue.kernels):
         cells = [f"{lead * ms:.2f} ({count})" for lead, count in zip(leads, kernels)]
-        lines.append(f"| {name.removeprefix('ProfilerStep#')} | " + " | ".join(cells) + " |")
+        lines.append(f"| {name.removeprefix('ProfilerStep#')} | {length * ms:.1f} | " + " | ".join(cells) + " |")
     lines.append("")
     if not queue.blocking:
         lines.append("No host call waited for the GPU.")
@@ -342,6 +346,35 @@ def render_queue(queue: QueueProfile) -> str:
     ]
     for name, (total, count, where) in sorted(queue.blocking.items(), key=lambda item: -item[1][0]):
         lines.append(f"| {name} | {total * ms:.2f} | {count} | {where[:120]} |")
+    return "\n".join(lines)
+
+
+def kernel_origins(trace: dict, steps: int, pattern: str) -> list[tuple[str, str, float, int]]:
+    """(outermost host operator, innermost, kernel ms per step, kernels per step) for the kernels whose name matches
+    ``pattern``, largest first: which host code launches them."""
+    wanted = re.compile(pattern, re.IGNORECASE)
+    kernels = [e for e in _gpu_events(trace) if wanted.search(e.get("name", ""))]
+    correlations = {e.get("args", {}).get("correlation") for e in kernels}
+    launches = {
+        e["args"]["correlation"]: e
+        for e in trace["traceEvents"]
+        if e.get("cat") in LAUNCH_CATEGORIES and e.get("args", {}).get("correlation") in correlations
+    }
+    host_ops = _host_ops_at(trace["traceEvents"], launches)
+    totals: dict[tuple[str, str], list[float]] = {}
+    for kernel in kernels:
+        where = host_ops.get(kernel.get("args", {}).get("correlation"), (NO_HOST_OP, NO_HOST_OP))
+        totals.setdefault(where, []).append(float(kernel["dur"]))
+    return sorted(
+        ((outer, inner, sum(d) / steps * 1e-3, round(len(d) / steps)) for (outer, inner), d in totals.items()),
+        key=lambda row: -row[2],
+    )
+
+
+def render_origins(rows: list[tuple[str, str, float, int]], pattern: str) -> str:
+    lines = [f"Kernels matching {pattern!r}, by the host operators that launched them:", ""]
+    lines += ["| host operator (outermost) | innermost | ms/step | kernels/step |", "|---|---|---|---|"]
+    lines += [f"| {outer[:90]} | {inner[:60]} | {ms:.2f} | {count} |" for outer, inner, ms, count in rows[:15]]
     return "\n".join(lines)
 
 
@@ -391,6 +424,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument(
         "--queue", action="store_true", help="also show how far the host runs ahead of the GPU, and its waits for it"
     )
+    parser.add_argument(
+        "--origin", metavar="REGEX", help="also list which host operators launch the kernels whose name matches REGEX"
+    )
     args = parser.parse_args(argv)
     if not args.trace.is_file():
         parser.error(f"no trace at {args.trace}")
@@ -403,6 +439,9 @@ def main(argv: list[str] | None = None) -> int:
         if args.queue:
             print()
             print(render_queue(queue_profile(trace, args.steps)))
+        if args.origin:
+            print()
+            print(render_origins(kernel_origins(trace, args.steps, args.origin), args.origin))
     except (ValueError, json.JSONDecodeError) as error:
         print(f"profile_summary: {args.trace}: {error}", file=sys.stderr)
         return 2

@@ -192,6 +192,7 @@ def test_queue_lead_per_tenth_of_a_step_and_the_host_calls_that_waited():
     # its launch: the host is behind.
     events = [
         host("ProfilerStep#7", 0, 1000, tid=1, cat="user_annotation"),
+        host("ProfilerStep#7", 10, 990, tid=9, cat="gpu_user_annotation"),  # Kineto's copy on the GPU timeline
         host("aten::item", 390, 120, tid=1),
         sync("cudaStreamSynchronize", 400, 100),
         sync("cudaLaunchKernel", 950, 1500),  # a launch this slow is listed too
@@ -212,7 +213,7 @@ def test_queue_lead_per_tenth_of_a_step_and_the_host_calls_that_waited():
     assert "cudaLaunchKernel" not in {name for name, (total, _, _) in queue.blocking.items() if total < 1000}
 
     text = profile_summary.render_queue(queue)
-    assert "| 7 | 0.20 (1) | 0.20 (1) | 0.20 (1) | 0.20 (1) | nan (0) | 0.01 (1) |" in text
+    assert "| 7 | 1.0 | 0.20 (1) | 0.20 (1) | 0.20 (1) | 0.20 (1) | nan (0) | 0.01 (1) |" in text
     assert text.index("cudaLaunchKernel") < text.index("cudaStreamSynchronize")  # longest total first
 
 
@@ -225,4 +226,18 @@ def test_queue_needs_step_markers(tmp_path, capsys):
     out = capsys.readouterr().out
     assert "No host call waited for the GPU." in out
     # ProfilerStep#1 (400 us): gemm_b launched at 25 us, started 35 us later; the optimizer's kernel at 155 us, 5 us.
-    assert "| 1 | 0.04 (1) | nan (0) | nan (0) | 0.01 (1) | nan (0) |" in out
+    assert "| 1 | 0.4 | 0.04 (1) | nan (0) | nan (0) | 0.01 (1) | nan (0) |" in out
+
+
+def test_kernel_origins_name_the_host_operators_that_launch_matching_kernels(tmp_path, capsys):
+    rows = profile_summary.kernel_origins(GAP_TRACE, steps=2, pattern="GEMM_[ab]|multi_tensor")
+    assert rows == [  # largest first; the pattern ignores case
+        (profile_summary.NO_HOST_OP, profile_summary.NO_HOST_OP, 0.025, 0),  # gemm_a: its launch is not in the trace
+        ("autograd::engine::evaluate_function: MmBackward0", "aten::mm", 0.02, 0),  # gemm_b: 40 us over 2 steps
+        ("Optimizer.step#AdamW.step", "aten::_foreach_add_", 0.01, 0),
+    ]
+    path = tmp_path / "trace.json"
+    path.write_text(json.dumps(GAP_TRACE))
+    assert profile_summary.main([str(path), "--steps", "1", "--origin", "multi_tensor"]) == 0
+    out = capsys.readouterr().out
+    assert "| Optimizer.step#AdamW.step | aten::_foreach_add_ | 0.02 | 1 |" in out

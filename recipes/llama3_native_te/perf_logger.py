@@ -2,8 +2,15 @@
 """Training metrics: progress, loss/throughput/MFU logging, Weights & Biases, summary.json, profiler window.
 
 The hot loop must not wait for the GPU, so per-step values (loss, token counts, attention work) are accumulated as
-device tensors and read back with ``.item()`` only on logging steps, every ``log_every`` steps. A logging step is
-collective: all ranks reduce their counters together, rank 0 prints and writes.
+device tensors. A logging step (every ``log_every`` steps) is collective: all ranks reduce their counters together.
+It does not wait for the GPU either: the window's sums are copied to pinned host memory behind the work already
+queued, a CUDA event marks the window's end on the GPU's timeline, and the window is reported (rank 0 prints and
+writes) at the first later step whose host finds the copy landed, usually the next one; ``finish`` reports the rest.
+Reading the sums back at once would make the host wait for the GPU to finish everything it had queued, and the next
+step would start with an empty queue: where the forward pass is host-bound (FP8 on one GPU), the GPU then idles for
+the host's whole forward deficit, once per logging step (ESM-2 3B in FP8, logging every 5 steps: 0.9-1.4% slower
+than every 15, docs/benchmarks.md). Window times come from the CUDA events (on the GPU's timeline), or from the host
+clock without CUDA.
 
 Throughput counts *unpadded* tokens (BSHD: ``attention_mask.sum()``; THD: tokens that are not ``<pad>``, so a
 packed batch's padding pseudo-sequence does not count) summed over ranks and divided by the world size.
@@ -91,6 +98,54 @@ def batch_token_stats(batch: dict[str, Any], pad_token_id: int) -> tuple[torch.T
     return tokens.to(torch.float64), (lengths**2).sum()
 
 
+class _HostClock:
+    """Window boundaries on the host's clock (no CUDA): a mark is a ``perf_counter`` reading, ready at once."""
+
+    def mark(self) -> float:
+        return time.perf_counter()
+
+    def ready(self, mark: float) -> bool:
+        return True
+
+    def wait(self, mark: float) -> None:
+        pass
+
+    def seconds(self, start: float, end: float) -> float:
+        return end - start
+
+
+class _CudaClock:
+    """Window boundaries on the GPU's timeline: a mark is a CUDA event recorded behind the work queued so far, ready
+    once the GPU has run everything before it. Recording and querying never wait for the GPU."""
+
+    def mark(self) -> torch.cuda.Event:
+        event = torch.cuda.Event(enable_timing=True)
+        event.record()
+        return event
+
+    def ready(self, mark: torch.cuda.Event) -> bool:
+        return mark.query()
+
+    def wait(self, mark: torch.cuda.Event) -> None:
+        mark.synchronize()
+
+    def seconds(self, start: torch.cuda.Event, end: torch.cuda.Event) -> float:
+        return start.elapsed_time(end) / 1000
+
+
+@dataclass
+class _ClosedWindow:
+    """A logging window whose sums are on their way to the host."""
+
+    step: int
+    window_start_step: int
+    steps: int
+    lr: float
+    sums: torch.Tensor  # [loss sum, tokens, sum L^2, grad norm] in (pinned) host memory once ``end`` is ready
+    start: Any  # clock marks
+    end: Any
+
+
 class PerfLogger:
     """Logs every ``log_every`` steps and writes ``metrics.jsonl`` during and ``summary.json`` after training.
 
@@ -124,7 +179,9 @@ class PerfLogger:
 
         self._counters: torch.Tensor | None = None  # [loss sum, tokens, sum L^2] over the current window
         self._window_steps, self._window_start_step = 0, start_step
-        self._window_start_time = time.perf_counter()
+        self._clock = _CudaClock() if torch.cuda.is_available() else _HostClock()
+        self._window_start = self._clock.mark()
+        self._closed: list[_ClosedWindow] = []  # closed windows not reported yet, oldest first
         self.history: list[dict[str, float]] = []
 
         self._start_step, self._start_time = start_step, time.perf_counter()
@@ -158,7 +215,8 @@ class PerfLogger:
         if self._progress is not None:
             self._progress.update(1)
         if step % self.log_every == 0 or step == self.total_steps:
-            self._flush(step, grad_norm, lr)
+            self._close_window(step, grad_norm, lr)
+        self._report_closed_windows(wait=False)
 
     def _window_counters(self, device: torch.device) -> torch.Tensor:
         if self._counters is None:
@@ -167,30 +225,53 @@ class PerfLogger:
 
     # ------------------------------------------------------------------ logging steps
 
-    def _flush(self, step: int, grad_norm: torch.Tensor | None, lr: float) -> None:
+    def _close_window(self, step: int, grad_norm: torch.Tensor | None, lr: float) -> None:
+        """Reduce the window's sums over the ranks and start copying them to the host, without waiting for either."""
         counters = self._counters
         if dist.is_initialized():
             dist.all_reduce(counters)  # one collective for all three sums
         if grad_norm is not None and hasattr(grad_norm, "full_tensor"):
             grad_norm = grad_norm.full_tensor()  # sharded models report a DTensor norm
-        loss_sum, tokens, squared = counters.tolist()  # the one host-device sync of the window
-        elapsed = time.perf_counter() - self._window_start_time
-        steps = self._window_steps
+        if grad_norm is None or grad_norm.device != counters.device:
+            # No norm, or one on the host (a trainer's float): a fill on the device, not a copy that would wait.
+            value = float("nan") if grad_norm is None else float(grad_norm)
+            grad_norm = torch.full((1,), value, dtype=torch.float64, device=counters.device)
+        sums = torch.cat([counters, grad_norm.detach().reshape(1).to(torch.float64)])
+        if sums.is_cuda:  # into pinned memory, behind the window's work: the end mark below is ready once it landed
+            sums = sums.to("cpu", non_blocking=True)
+        end = self._clock.mark()
+        self._closed.append(
+            _ClosedWindow(step, self._window_start_step, self._window_steps, lr, sums, self._window_start, end)
+        )
+        counters.zero_()  # runs after the copy on the same stream
+        self._window_steps, self._window_start_step = 0, step
+        self._window_start = end
 
-        loss = loss_sum / (steps * self.world_size)
+    def _report_closed_windows(self, wait: bool) -> None:
+        """Report the closed windows whose sums have reached the host, oldest first (all of them with ``wait``)."""
+        while self._closed and (wait or self._clock.ready(self._closed[0].end)):
+            window = self._closed.pop(0)
+            if wait:
+                self._clock.wait(window.end)
+            self._report(window)
+
+    def _report(self, window: _ClosedWindow) -> None:
+        loss_sum, tokens, squared, grad_norm = window.sums.tolist()
+        elapsed = self._clock.seconds(window.start, window.end)
+        loss = loss_sum / (window.steps * self.world_size)
         tokens_per_gpu_s = tokens / self.world_size / elapsed
         flops_per_gpu_s = self.model_flops.flops(tokens, squared) / self.world_size / elapsed
         metrics = {
-            "step": step,
+            "step": window.step,
             "loss": loss,
             "perplexity": math.exp(min(loss, 50.0)),
-            "grad_norm": float(grad_norm) if grad_norm is not None else float("nan"),
-            "lr": lr,
-            "step_time_s": elapsed / steps,
+            "grad_norm": grad_norm,
+            "lr": window.lr,
+            "step_time_s": elapsed / window.steps,
             "tokens_per_second_per_gpu": tokens_per_gpu_s,
             "mfu": flops_per_gpu_s / self.peak_flops,
             "peak_memory_gb": torch.cuda.max_memory_allocated() / 1e9 if torch.cuda.is_available() else 0.0,
-            "window_start_step": self._window_start_step,
+            "window_start_step": window.window_start_step,
         }
         self.history.append(metrics)
         if self.rank == 0:
@@ -198,16 +279,12 @@ class PerfLogger:
             self._metrics_file.flush()
             if self._progress is not None:
                 self._progress.set_postfix(
-                    loss=f"{loss:.4f}", gnorm=f"{metrics['grad_norm']:.3f}", tok_s=f"{tokens_per_gpu_s:.3g}"
+                    loss=f"{loss:.4f}", gnorm=f"{grad_norm:.3f}", tok_s=f"{tokens_per_gpu_s:.3g}"
                 )
             else:
                 logger.info(self._progress_line(metrics))
             if self._wandb is not None:
-                self._wandb.log({k: v for k, v in metrics.items() if k != "step"}, step=step)
-
-        self._counters.zero_()
-        self._window_steps, self._window_start_step = 0, step
-        self._window_start_time = time.perf_counter()
+                self._wandb.log({k: v for k, v in metrics.items() if k != "step"}, step=window.step)
 
     def _progress_line(self, metrics: dict[str, float]) -> str:
         """``step 40/150 | loss 3.2154 | grad_norm 2.505 | 1.95e+03 tokens/s/gpu | mfu 0.1% | eta 1m12s``."""
@@ -220,7 +297,8 @@ class PerfLogger:
         )
 
     def finish(self) -> dict[str, Any] | None:
-        """Close the bar and W&B run; on rank 0 write and return ``summary.json``."""
+        """Report the windows still in flight, close the bar and W&B run; on rank 0 write and return ``summary.json``."""
+        self._report_closed_windows(wait=True)
         if self.rank != 0:
             return None
         if self._progress is not None:

@@ -1,4 +1,5 @@
 import json
+import math
 import pstats
 import sys
 
@@ -82,6 +83,60 @@ def test_logs_every_n_steps_and_writes_summary(tmp_path, monkeypatch):
     assert summary["config_name"] == "unit"
     assert summary["logged_windows_in_medians"] == 2  # the window starting at step 0 is warm-up
     assert summary["median_tokens_per_second_per_gpu"] > 0
+
+
+class _ManualClock:
+    """A stand-in for the CUDA-event clock: a mark is ready only once the test (or a wait) lets the GPU reach it."""
+
+    def __init__(self):
+        self.marks, self.reached, self.waited = 0, 0, []
+
+    def mark(self):
+        self.marks += 1
+        return self.marks
+
+    def ready(self, mark):
+        return mark <= self.reached
+
+    def wait(self, mark):
+        self.waited.append(mark)
+        self.reached = max(self.reached, mark)
+
+    def seconds(self, start, end):
+        return 2.0 * (end - start)  # two seconds between consecutive marks
+
+
+def test_a_window_is_reported_once_its_sums_reach_the_host_without_waiting_for_them(tmp_path):
+    perf = PerfLogger(_cfg(tmp_path), ModelFlops(1000, 1, 8), pad_token_id=PAD)
+    clock = perf._clock = _ManualClock()
+    perf._window_start = clock.mark()  # mark 1: the first window's start
+    batch = {"input_ids": torch.ones(2, 3, dtype=torch.long), "attention_mask": torch.ones(2, 3, dtype=torch.long)}
+    logged = []
+
+    def step(n, grad_norm=0.5):
+        perf.count_batch(batch)
+        perf.log_step(n, torch.tensor(float(n)), None if grad_norm is None else torch.tensor(grad_norm), lr=0.1)
+        logged.append([m["step"] for m in perf.history])
+
+    step(1)
+    step(2)  # closes the window (end mark 2); the GPU has not reached it: nothing reported, nothing waited for
+    assert logged[-1] == [] and clock.waited == []
+    clock.reached = 2  # the copy has landed
+    step(3)
+    assert logged[-1] == [2]
+    step(4, grad_norm=None)  # closes window 2 (mark 3), not reached yet
+    step(5)
+    step(6)  # closes window 3 (mark 4), the last step
+    assert logged[-1] == [2] and clock.waited == []
+    summary = perf.finish()  # waits for the windows still in flight, in order
+    assert clock.waited == [3, 4]
+    lines = [json.loads(line) for line in (tmp_path / "metrics.jsonl").read_text().splitlines()]
+    assert [m["step"] for m in lines] == [2, 4, 6]
+    assert [m["loss"] for m in lines] == [1.5, 3.5, 5.5]
+    assert math.isnan(lines[1]["grad_norm"]) and lines[2]["grad_norm"] == 0.5
+    assert [m["step_time_s"] for m in lines] == [1.0, 1.0, 1.0]  # 2 s per window on the clock, 2 steps each
+    assert lines[0]["tokens_per_second_per_gpu"] == 12 / 2.0
+    assert summary["steps"] == 6 and summary["logged_windows_in_medians"] == 2
 
 
 def _run_six_steps(tmp_path, start_step=0):
@@ -190,3 +245,31 @@ def test_profiler_kind_is_validated(tmp_path):
 def test_profiler_window_is_validated(tmp_path):
     with pytest.raises(ValueError, match="profiler.end_step=1 comes before profiler.start_step=2"):
         Profiler(OmegaConf.create({"enabled": True, "kind": "torch", "start_step": 2, "end_step": 1}), tmp_path)
+
+
+@pytest.mark.requires_gpu
+def test_logging_steps_do_not_wait_for_the_gpu(tmp_path):
+    """With CUDA tensors, no call of the hot loop, logging steps included, may synchronise with the GPU: torch
+    raises on any that does while the sync debug mode is "error". The windows arrive all the same."""
+    perf = PerfLogger(_cfg(tmp_path), ModelFlops(1000, 1, 8), pad_token_id=PAD)
+    batch = {
+        "input_ids": torch.ones(1, 6, dtype=torch.long, device="cuda"),
+        "cu_seq_lens_q": torch.tensor([0, 3, 6], dtype=torch.int32, device="cuda"),
+    }
+    busy = torch.randn(4096, 4096, device="cuda")
+    torch.cuda.set_sync_debug_mode("error")
+    try:
+        for step in range(1, 7):
+            for _ in range(20):  # keep the GPU busy so that a sync would have something to wait for
+                busy = torch.tanh(busy @ busy)
+            perf.count_batch(batch)
+            grad_norm = torch.full((), 0.5, device="cuda") if step % 4 else None
+            perf.log_step(step, torch.full((), float(step), device="cuda"), grad_norm, lr=0.1)
+    finally:
+        torch.cuda.set_sync_debug_mode(0)
+    perf.finish()
+    lines = [json.loads(line) for line in (tmp_path / "metrics.jsonl").read_text().splitlines()]
+    assert [m["step"] for m in lines] == [2, 4, 6]
+    assert [m["loss"] for m in lines] == [1.5, 3.5, 5.5]
+    assert lines[0]["grad_norm"] == 0.5 and math.isnan(lines[1]["grad_norm"])
+    assert all(m["step_time_s"] > 0 and m["tokens_per_second_per_gpu"] > 0 for m in lines)
