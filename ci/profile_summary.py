@@ -29,6 +29,7 @@ queue is empty and the host's lead starts again from zero.
 import argparse
 import json
 import re
+import statistics
 import sys
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -263,12 +264,6 @@ class QueueProfile:
     blocking: dict[str, tuple[float, int, str]]  # call -> (us per step, calls in the trace, where the longest was)
 
 
-def _median(values: list[float]) -> float:
-    ordered = sorted(values)
-    middle = len(ordered) // 2
-    return ordered[middle] if len(ordered) % 2 else (ordered[middle - 1] + ordered[middle]) / 2
-
-
 def queue_profile(trace: dict, steps: int) -> QueueProfile:
     """The host's lead over the GPU through the profiled steps (see ``--queue`` in the module docstring)."""
     events = trace.get("traceEvents", [])
@@ -281,7 +276,8 @@ def queue_profile(trace: dict, steps: int) -> QueueProfile:
     )
     if not step_spans:
         raise ValueError(
-            "the trace has no ProfilerStep#N markers: record it with torch.profiler's schedule and step()"
+            "the trace has no ProfilerStep#N step markers (the recipes' profiler writes them, as does "
+            "torch.profiler's schedule with step())"
         )
     launches = {
         e["args"]["correlation"]: e
@@ -316,7 +312,7 @@ def queue_profile(trace: dict, steps: int) -> QueueProfile:
         steps=steps,
         step_names=[name for _, _, name in step_spans],
         step_us=[end - start for start, end, _ in step_spans],
-        lead_us=[[_median(values) if values else float("nan") for values in step] for step in leads],
+        lead_us=[[statistics.median(values) if values else float("nan") for values in step] for step in leads],
         kernels=[[len(values) for values in step] for step in leads],
         blocking={name: (total / steps, count, where) for name, (total, count, where) in blocking.items()},
     )
@@ -428,6 +424,11 @@ def main(argv: list[str] | None = None) -> int:
         "--origin", metavar="REGEX", help="also list which host operators launch the kernels whose name matches REGEX"
     )
     args = parser.parse_args(argv)
+    if args.origin:
+        try:
+            re.compile(args.origin)
+        except re.error as error:
+            parser.error(f"--origin {args.origin!r} is not a regular expression: {error}")
     if not args.trace.is_file():
         parser.error(f"no trace at {args.trace}")
     try:

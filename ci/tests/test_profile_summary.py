@@ -241,3 +241,6 @@ def test_kernel_origins_name_the_host_operators_that_launch_matching_kernels(tmp
     assert profile_summary.main([str(path), "--steps", "1", "--origin", "multi_tensor"]) == 0
     out = capsys.readouterr().out
     assert "| Optimizer.step#AdamW.step | aten::_foreach_add_ | 0.02 | 1 |" in out
+    with pytest.raises(SystemExit):
+        profile_summary.main([str(path), "--steps", "1", "--origin", "gemm["])
+    assert "is not a regular expression" in capsys.readouterr().err

@@ -208,7 +208,7 @@ class PerfLogger:
         counters[1] += tokens
         counters[2] += squared / self.cp_size
 
-    def log_step(self, step: int, loss: torch.Tensor, grad_norm: torch.Tensor | None, lr: float) -> None:
+    def log_step(self, step: int, loss: torch.Tensor, grad_norm: torch.Tensor | float | None, lr: float) -> None:
         """Record optimizer step ``step`` (1-based); every ``log_every`` steps reduce, print and write."""
         self._window_counters(loss.device)[0] += loss.detach().to(torch.float64)
         self._window_steps += 1
@@ -225,14 +225,14 @@ class PerfLogger:
 
     # ------------------------------------------------------------------ logging steps
 
-    def _close_window(self, step: int, grad_norm: torch.Tensor | None, lr: float) -> None:
+    def _close_window(self, step: int, grad_norm: torch.Tensor | float | None, lr: float) -> None:
         """Reduce the window's sums over the ranks and start copying them to the host, without waiting for either."""
         counters = self._counters
         if dist.is_initialized():
             dist.all_reduce(counters)  # one collective for all three sums
         if grad_norm is not None and hasattr(grad_norm, "full_tensor"):
             grad_norm = grad_norm.full_tensor()  # sharded models report a DTensor norm
-        if grad_norm is None or grad_norm.device != counters.device:
+        if grad_norm is None or not torch.is_tensor(grad_norm) or grad_norm.device != counters.device:
             # No norm, or one on the host (a trainer's float): a fill on the device, not a copy that would wait.
             value = float("nan") if grad_norm is None else float(grad_norm)
             grad_norm = torch.full((1,), value, dtype=torch.float64, device=counters.device)
