@@ -5,10 +5,10 @@ For THD input, TE's ``TransformerLayer`` splits its fused QKV projection into qu
 query and key with one RoPE kernel each (reading the strided views, writing new tensors), hands attention three
 separate tensors, and in the backward concatenates dQ, dK and dV into the projection's gradient again. For a layer
 whose projection lays every head out as [query, key, value] (``qkv_weight_interleaved=True``: [tokens, heads, 3,
-head_dim]), ``PackedQKVRotary`` instead writes the projection's output once more with query and key rotated, right
-after the projection (a forward hook on ``self_attention.layernorm_qkv``), and the layer is called without
-``rotary_pos_emb``: TE then passes that buffer to attention as one packed QKV tensor (no split, no copies), and the
-backward turns attention's packed gradient into the projection's in one pass.
+head_dim]), ``PackedQKVRotary`` instead rotates query and key inside the projection's output buffer, right after
+the projection (a forward hook on ``self_attention.layernorm_qkv``; the values are not touched), and the layer is
+called without ``rotary_pos_emb``: TE then passes that buffer to attention as one packed QKV tensor (no split, no
+copies), and the backward rotates attention's packed gradient in place into the projection's, in one pass.
 
 The rotation is the half-split form (channel ``i`` pairs with ``i + head_dim / 2``, ESM-2's and TE's default). Each
 token is rotated by the angles of its position within its own sequence, ``position * inv_freq``, from float32 cos/sin
@@ -58,6 +58,7 @@ def _kernel():
             HALF: tl.constexpr,
             BLOCK_HEADS: tl.constexpr,
             INVERSE: tl.constexpr,
+            COPY_VALUE: tl.constexpr,
         ):
             # One program per token: every head's query and key, [BLOCK_HEADS, HALF] at a time.
             token = tl.program_id(0).to(tl.int64)
@@ -76,16 +77,18 @@ def _kernel():
                 x2 = tl.load(src_ptr + first + HALF, mask=mask).to(tl.float32)
                 tl.store(dst_ptr + first, (x1 * cos - x2 * sin).to(dst_ptr.dtype.element_ty), mask=mask)
                 tl.store(dst_ptr + first + HALF, (x2 * cos + x1 * sin).to(dst_ptr.dtype.element_ty), mask=mask)
-            for half in tl.static_range(2):  # the value block passes through unchanged
-                value = offsets + 4 * HALF + half * HALF
-                tl.store(dst_ptr + value, tl.load(src_ptr + value, mask=mask), mask=mask)
+            if COPY_VALUE:  # the value block passes through unchanged (nothing to do when rotating in place)
+                for half in tl.static_range(2):
+                    value = offsets + 4 * HALF + half * HALF
+                    tl.store(dst_ptr + value, tl.load(src_ptr + value, mask=mask), mask=mask)
 
         _KERNEL = triton.jit(rotate_query_key)
     return _KERNEL
 
 
 def _rotate(src, dst, positions, cos, sin, num_heads: int, head_dim: int, inverse: bool) -> None:
-    """Write ``src`` to ``dst`` with its query and key channels rotated (the value channels copied)."""
+    """Write ``src`` to ``dst`` with its query and key channels rotated (the value channels copied). ``dst`` may be
+    ``src`` itself: then only the query and key channels are read and written."""
     tokens = src.shape[0]
     for name, buffer in (("source", src), ("destination", dst)):
         if buffer.dim() != 2 or buffer.shape[1] != 3 * num_heads * head_dim or not buffer.is_contiguous():
@@ -108,14 +111,13 @@ def _rotate(src, dst, positions, cos, sin, num_heads: int, head_dim: int, invers
         HALF=head_dim // 2,
         BLOCK_HEADS=triton.next_power_of_2(num_heads),
         INVERSE=inverse,
+        COPY_VALUE=dst.data_ptr() != src.data_ptr(),
     )
 
 
 class _RotateQueryKey(torch.autograd.Function):
     @staticmethod
     def forward(ctx, qkv, positions, cos, sin, num_heads: int, head_dim: int):
-        # Out of place: TE's projection returns a view made inside its own autograd Function, which autograd does not
-        # let anyone modify in place.
         rotated = torch.empty_like(qkv)
         _rotate(qkv, rotated, positions, cos, sin, num_heads, head_dim, inverse=False)
         ctx.save_for_backward(positions, cos, sin)
@@ -125,11 +127,38 @@ class _RotateQueryKey(torch.autograd.Function):
     @staticmethod
     def backward(ctx, grad):
         positions, cos, sin = ctx.saved_tensors
-        # Out of place too: autograd does not promise that nobody else holds ``grad``.
+        # Out of place: autograd does not promise that nobody else holds ``grad``.
         grad = grad.contiguous()
         grad_qkv = torch.empty_like(grad)
         _rotate(grad, grad_qkv, positions, cos, sin, ctx.num_heads, ctx.head_dim, inverse=True)
         return grad_qkv, None, None, None, None, None
+
+
+class _RotateQueryKeyInPlace(torch.autograd.Function):
+    """The rotation written into the projection's own buffer, and in backward into the incoming gradient.
+
+    Only the query and key thirds are read and written (the out-of-place form also copies the values): a third less
+    memory traffic each way. Safe where the hook uses it, and only there: TE's projection keeps no reference to its
+    output for its backward (it saves its input and weight), and the gradient arriving here is the dQKV buffer that
+    attention's backward wrote for this layer alone. The buffer is modified through ``detach()`` because TE returns
+    its output as a view made inside its own autograd Function, which autograd does not let anyone modify in place
+    by the book; this Function's backward supplies the gradient that such a modification would otherwise lose.
+    """
+
+    @staticmethod
+    def forward(ctx, qkv, positions, cos, sin, num_heads: int, head_dim: int):
+        rotated = qkv.detach()
+        _rotate(rotated, rotated, positions, cos, sin, num_heads, head_dim, inverse=False)
+        ctx.save_for_backward(positions, cos, sin)
+        ctx.num_heads, ctx.head_dim = num_heads, head_dim
+        return rotated
+
+    @staticmethod
+    def backward(ctx, grad):
+        positions, cos, sin = ctx.saved_tensors
+        grad = grad.contiguous()  # a copy only if attention's dQKV came strided
+        _rotate(grad, grad, positions, cos, sin, ctx.num_heads, ctx.head_dim, inverse=True)
+        return grad, None, None, None, None, None
 
 
 def rotate_query_key(qkv, positions, cos, sin, num_heads: int, head_dim: int) -> torch.Tensor:
@@ -137,6 +166,13 @@ def rotate_query_key(qkv, positions, cos, sin, num_heads: int, head_dim: int) ->
     channels rotated: token ``t`` by the angles in row ``positions[t]`` of ``cos`` / ``sin`` ([max_position,
     head_dim / 2], float32). Differentiable; a new tensor."""
     return _RotateQueryKey.apply(qkv, positions, cos, sin, num_heads, head_dim)
+
+
+def rotate_query_key_(qkv, positions, cos, sin, num_heads: int, head_dim: int) -> torch.Tensor:
+    """``rotate_query_key`` in place: rotates ``qkv``'s own query and key channels, returns a tensor on ``qkv``'s
+    memory, and in backward rotates the incoming gradient in place (see ``_RotateQueryKeyInPlace`` for when that is
+    safe: the QKV projection's output, consumed by attention alone)."""
+    return _RotateQueryKeyInPlace.apply(qkv, positions, cos, sin, num_heads, head_dim)
 
 
 def rotate_query_key_reference(qkv, positions, cos, sin, num_heads: int, head_dim: int) -> torch.Tensor:
@@ -193,5 +229,5 @@ class PackedQKVRotary:
         qkv, rest = (output[0], output[1:]) if isinstance(output, tuple) else (output, None)
         if type(qkv) is not torch.Tensor:
             raise TypeError(f"in-place RoPE needs a plain tensor QKV projection, got {type(qkv).__name__}")
-        qkv = rotate_query_key(qkv, *self._batch, self.num_heads, self.head_dim)
+        qkv = rotate_query_key_(qkv, *self._batch, self.num_heads, self.head_dim)
         return qkv if rest is None else (qkv, *rest)

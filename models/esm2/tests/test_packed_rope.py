@@ -86,6 +86,53 @@ def test_backward_is_the_transposed_rotation_and_leaves_the_incoming_gradient_al
     torch.testing.assert_close(leaf.grad, reference_leaf.grad, rtol=1e-6, atol=1e-6)
 
 
+class _ViewFromAFunction(torch.autograd.Function):
+    """Returns its input's rows as a view made inside the Function, as TE's QKV projection returns its output: autograd
+    refuses an ordinary in-place operation on such a view, which is why ``rotate_query_key_`` works through ``detach``."""
+
+    @staticmethod
+    def forward(ctx, x):
+        return (x * 1.0).view(x.shape)
+
+    @staticmethod
+    def backward(ctx, grad):
+        return grad
+
+
+def test_in_place_rotation_writes_the_buffer_and_matches_the_copying_kernel(interpreted_kernel):
+    cos, sin = tables()
+    qkv = torch.randn(len(POSITIONS), 3 * HEADS * HEAD_DIM)
+    expected = packed_rope.rotate_query_key(qkv, POSITIONS, cos, sin, HEADS, HEAD_DIM)
+    buffer = qkv.clone()
+    out = packed_rope.rotate_query_key_(buffer, POSITIONS, cos, sin, HEADS, HEAD_DIM)
+    assert out.data_ptr() == buffer.data_ptr()  # no new buffer
+    assert torch.equal(out, expected)
+    assert torch.equal(buffer, expected)  # the projection's own buffer now holds the rotated query and key
+
+
+def test_in_place_backward_gives_the_gradients_of_the_copying_kernel(interpreted_kernel):
+    """Behind a Function that returns a view (TE's projection), forward and every gradient equal the out-of-place
+    rotation's; the incoming gradient buffer is rotated in place (it is attention's dQKV, used by nobody else)."""
+    cos, sin = tables()
+    qkv = torch.randn(len(POSITIONS), 3 * HEADS * HEAD_DIM)
+    grad = torch.randn_like(qkv)
+
+    leaf = qkv.clone().requires_grad_(True)
+    projected = _ViewFromAFunction.apply(leaf)
+    with pytest.raises(RuntimeError, match="view"):  # what the plain in-place route would hit
+        projected.mul_(1.0)
+    out = packed_rope.rotate_query_key_(projected, POSITIONS, cos, sin, HEADS, HEAD_DIM)
+    incoming = grad.clone()
+    out.backward(incoming)
+
+    reference_leaf = qkv.clone().requires_grad_(True)
+    reference = packed_rope.rotate_query_key(reference_leaf * 1.0, POSITIONS, cos, sin, HEADS, HEAD_DIM)
+    reference.backward(grad)
+    assert torch.equal(out.detach(), reference.detach())
+    assert torch.equal(leaf.grad, reference_leaf.grad)
+    assert torch.equal(incoming, reference_leaf.grad)  # the incoming gradient was rotated where it lay
+
+
 def test_bad_buffers_are_refused_with_their_shape(interpreted_kernel):
     cos, sin = tables()
     with pytest.raises(ValueError, match=r"contiguous \[tokens, 3 \* 5 \* 16\] QKV source, got \(11, 200\)"):
