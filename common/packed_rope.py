@@ -47,8 +47,7 @@ def _kernel():
     if _KERNEL is None:
 
         def rotate_query_key(
-            src_ptr,
-            dst_ptr,
+            qkv_ptr,
             positions_ptr,
             cos_ptr,
             sin_ptr,
@@ -57,9 +56,9 @@ def _kernel():
             HALF: tl.constexpr,
             BLOCK_HEADS: tl.constexpr,
             INVERSE: tl.constexpr,
-            COPY_VALUE: tl.constexpr,
         ):
-            # One program per token: every head's query and key, [BLOCK_HEADS, HALF] at a time.
+            # One program per token: every head's query and key, [BLOCK_HEADS, HALF] at a time, rotated where they
+            # lie; the value block is neither read nor written.
             token = tl.program_id(0).to(tl.int64)
             position = tl.load(positions_ptr + token).to(tl.int64)
             channels = tl.arange(0, HALF)
@@ -72,82 +71,55 @@ def _kernel():
             offsets = token * token_stride + heads * (6 * HALF) + channels[None, :]
             for part in tl.static_range(2):  # query, then key: the first two of each head's three blocks
                 first = offsets + part * (2 * HALF)
-                x1 = tl.load(src_ptr + first, mask=mask).to(tl.float32)
-                x2 = tl.load(src_ptr + first + HALF, mask=mask).to(tl.float32)
-                tl.store(dst_ptr + first, (x1 * cos - x2 * sin).to(dst_ptr.dtype.element_ty), mask=mask)
-                tl.store(dst_ptr + first + HALF, (x2 * cos + x1 * sin).to(dst_ptr.dtype.element_ty), mask=mask)
-            if COPY_VALUE:  # the value block passes through unchanged (nothing to do when rotating in place)
-                for half in tl.static_range(2):
-                    value = offsets + 4 * HALF + half * HALF
-                    tl.store(dst_ptr + value, tl.load(src_ptr + value, mask=mask), mask=mask)
+                x1 = tl.load(qkv_ptr + first, mask=mask).to(tl.float32)
+                x2 = tl.load(qkv_ptr + first + HALF, mask=mask).to(tl.float32)
+                tl.store(qkv_ptr + first, (x1 * cos - x2 * sin).to(qkv_ptr.dtype.element_ty), mask=mask)
+                tl.store(qkv_ptr + first + HALF, (x2 * cos + x1 * sin).to(qkv_ptr.dtype.element_ty), mask=mask)
 
         _KERNEL = triton.jit(rotate_query_key)
     return _KERNEL
 
 
-def _rotate(src, dst, positions, cos, sin, num_heads: int, head_dim: int, inverse: bool) -> None:
-    """Write ``src`` to ``dst`` with its query and key channels rotated (the value channels copied). ``dst`` may be
-    ``src`` itself: then only the query and key channels are read and written."""
-    tokens = src.shape[0]
-    for name, buffer in (("source", src), ("destination", dst)):
-        if buffer.dim() != 2 or buffer.shape[1] != 3 * num_heads * head_dim or not buffer.is_contiguous():
-            raise ValueError(
-                f"expected a contiguous [tokens, 3 * {num_heads} * {head_dim}] QKV {name}, got "
-                f"{tuple(buffer.shape)} (contiguous: {buffer.is_contiguous()})"
-            )
-    if positions.shape != (tokens,) or dst.shape != src.shape:
+def _rotate_(qkv, positions, cos, sin, num_heads: int, head_dim: int, inverse: bool) -> None:
+    """Rotate ``qkv``'s query and key channels in place (the value channels are not touched)."""
+    tokens = qkv.shape[0]
+    if qkv.dim() != 2 or qkv.shape[1] != 3 * num_heads * head_dim or not qkv.is_contiguous():
+        raise ValueError(
+            f"expected a contiguous [tokens, 3 * {num_heads} * {head_dim}] QKV buffer, got "
+            f"{tuple(qkv.shape)} (contiguous: {qkv.is_contiguous()})"
+        )
+    if positions.shape != (tokens,):
         raise ValueError(f"positions {tuple(positions.shape)} must have one entry per token ({tokens})")
     if tokens == 0:
         return
     _kernel()[(tokens,)](
-        src,
-        dst,
+        qkv,
         positions,
         cos,
         sin,
-        src.stride(0),
+        qkv.stride(0),
         num_heads,
         HALF=head_dim // 2,
         BLOCK_HEADS=triton.next_power_of_2(num_heads),
         INVERSE=inverse,
-        COPY_VALUE=dst.data_ptr() != src.data_ptr(),
     )
-
-
-class _RotateQueryKey(torch.autograd.Function):
-    @staticmethod
-    def forward(ctx, qkv, positions, cos, sin, num_heads: int, head_dim: int):
-        rotated = torch.empty_like(qkv)
-        _rotate(qkv, rotated, positions, cos, sin, num_heads, head_dim, inverse=False)
-        ctx.save_for_backward(positions, cos, sin)
-        ctx.num_heads, ctx.head_dim = num_heads, head_dim
-        return rotated
-
-    @staticmethod
-    def backward(ctx, grad):
-        positions, cos, sin = ctx.saved_tensors
-        # Out of place: autograd does not promise that nobody else holds ``grad``.
-        grad = grad.contiguous()
-        grad_qkv = torch.empty_like(grad)
-        _rotate(grad, grad_qkv, positions, cos, sin, ctx.num_heads, ctx.head_dim, inverse=True)
-        return grad_qkv, None, None, None, None, None
 
 
 class _RotateQueryKeyInPlace(torch.autograd.Function):
     """The rotation written into the projection's own buffer, and in backward into the incoming gradient.
 
-    Only the query and key thirds are read and written (the out-of-place form also copies the values): a third less
-    memory traffic each way. Safe where the hook uses it, and only there: TE's projection keeps no reference to its
-    output for its backward (it saves its input and weight), and the gradient arriving here is the dQKV buffer that
-    attention's backward wrote for this layer alone. The buffer is modified through ``detach()`` because TE returns
-    its output as a view made inside its own autograd Function, which autograd does not let anyone modify in place
-    by the book; this Function's backward supplies the gradient that such a modification would otherwise lose.
+    Only the query and key thirds are read and written: a copy of the buffer would also move the values. Safe where
+    the hook uses it, and only there: TE's projection keeps no reference to its output for its backward (it saves its
+    input and weight), and the gradient arriving here is the dQKV buffer that attention's backward wrote for this
+    layer alone. The buffer is modified through ``detach()`` because TE returns its output as a view made inside its
+    own autograd Function, which autograd does not let anyone modify in place by the book; this Function's backward
+    supplies the gradient that such a modification would otherwise lose.
     """
 
     @staticmethod
     def forward(ctx, qkv, positions, cos, sin, num_heads: int, head_dim: int):
         rotated = qkv.detach()
-        _rotate(rotated, rotated, positions, cos, sin, num_heads, head_dim, inverse=False)
+        _rotate_(rotated, positions, cos, sin, num_heads, head_dim, inverse=False)
         ctx.save_for_backward(positions, cos, sin)
         ctx.num_heads, ctx.head_dim = num_heads, head_dim
         return rotated
@@ -156,21 +128,16 @@ class _RotateQueryKeyInPlace(torch.autograd.Function):
     def backward(ctx, grad):
         positions, cos, sin = ctx.saved_tensors
         grad = grad.contiguous()  # a copy only if attention's dQKV came strided
-        _rotate(grad, grad, positions, cos, sin, ctx.num_heads, ctx.head_dim, inverse=True)
+        _rotate_(grad, positions, cos, sin, ctx.num_heads, ctx.head_dim, inverse=True)
         return grad, None, None, None, None, None
 
 
-def rotate_query_key(qkv, positions, cos, sin, num_heads: int, head_dim: int) -> torch.Tensor:
-    """``qkv`` ([tokens, heads * 3 * head_dim], each head laid out as query, key, value) with its query and key
-    channels rotated: token ``t`` by the angles in row ``positions[t]`` of ``cos`` / ``sin`` ([max_position,
-    head_dim / 2], float32). Differentiable; a new tensor."""
-    return _RotateQueryKey.apply(qkv, positions, cos, sin, num_heads, head_dim)
-
-
 def rotate_query_key_(qkv, positions, cos, sin, num_heads: int, head_dim: int) -> torch.Tensor:
-    """``rotate_query_key`` in place: rotates ``qkv``'s own query and key channels, returns a tensor on ``qkv``'s
-    memory, and in backward rotates the incoming gradient in place (see ``_RotateQueryKeyInPlace`` for when that is
-    safe: the QKV projection's output, consumed by attention alone)."""
+    """Rotate the query and key channels of ``qkv`` ([tokens, heads * 3 * head_dim], each head laid out as query,
+    key, value) in place: token ``t`` by the angles in row ``positions[t]`` of ``cos`` / ``sin`` ([max_position,
+    head_dim / 2], float32). Returns a differentiable tensor on ``qkv``'s memory; its backward rotates the incoming
+    gradient in place (see ``_RotateQueryKeyInPlace`` for when that is safe: the QKV projection's output, consumed
+    by attention alone)."""
     return _RotateQueryKeyInPlace.apply(qkv, positions, cos, sin, num_heads, head_dim)
 
 

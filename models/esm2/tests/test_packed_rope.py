@@ -1,4 +1,4 @@
-"""packed_rope.py: rotary embeddings applied to a packed QKV projection (one Triton kernel each way).
+"""packed_rope.py: rotary embeddings applied in place to a packed QKV projection (one Triton kernel each way).
 
 On CPU the kernel runs in Triton's interpreter (TRITON_INTERPRET=1) against a plain-torch rotation; on a GPU the
 whole model with the kernel must give TE's own RoPE path's numbers (ESM-2 here, AMPLIFY in models/amplify)."""
@@ -34,14 +34,15 @@ def tables(max_position: int = 8, head_dim: int = HEAD_DIM) -> tuple[torch.Tenso
 POSITIONS = torch.tensor([0, 1, 2, 3, 0, 1, 2, 0, 1, 2, 3])
 
 
-def test_forward_rotates_query_and_key_and_copies_value(interpreted_kernel):
+def test_forward_rotates_query_and_key_in_the_buffer_and_leaves_value(interpreted_kernel):
     cos, sin = tables()
     qkv = torch.randn(len(POSITIONS), 3 * HEADS * HEAD_DIM)
     expected = packed_rope.rotate_query_key_reference(qkv, POSITIONS, cos, sin, HEADS, HEAD_DIM)
     buffer = qkv.clone()
-    out = packed_rope.rotate_query_key(buffer, POSITIONS, cos, sin, HEADS, HEAD_DIM)
-    assert torch.equal(buffer, qkv)  # the input is left alone
+    out = packed_rope.rotate_query_key_(buffer, POSITIONS, cos, sin, HEADS, HEAD_DIM)
+    assert out.data_ptr() == buffer.data_ptr()  # no new buffer
     torch.testing.assert_close(out, expected, rtol=0, atol=0)
+    torch.testing.assert_close(buffer, expected, rtol=0, atol=0)  # the projection's own buffer holds the result
     value = qkv.view(-1, HEADS, 3, HEAD_DIM)[:, :, 2]
     assert torch.equal(out.view(-1, HEADS, 3, HEAD_DIM)[:, :, 2], value)
     first_tokens = POSITIONS == 0  # angle 0: nothing turns
@@ -66,24 +67,9 @@ def test_bf16_buffer_matches_the_float32_rotation_rounded_once(interpreted_kerne
     cos, sin = tables()
     qkv = torch.randn(len(POSITIONS), 3 * HEADS * HEAD_DIM).to(torch.bfloat16)
     expected = packed_rope.rotate_query_key_reference(qkv, POSITIONS, cos, sin, HEADS, HEAD_DIM)
-    out = packed_rope.rotate_query_key(qkv.clone(), POSITIONS, cos, sin, HEADS, HEAD_DIM)
+    out = packed_rope.rotate_query_key_(qkv.clone(), POSITIONS, cos, sin, HEADS, HEAD_DIM)
     assert out.dtype == torch.bfloat16
     torch.testing.assert_close(out.float(), expected.float(), rtol=2**-7, atol=1e-6)
-
-
-def test_backward_is_the_transposed_rotation_and_leaves_the_incoming_gradient_alone(interpreted_kernel):
-    cos, sin = tables()
-    qkv = torch.randn(len(POSITIONS), 3 * HEADS * HEAD_DIM)
-    grad = torch.randn_like(qkv)
-    grad_before = grad.clone()
-
-    leaf = qkv.clone().requires_grad_(True)
-    packed_rope.rotate_query_key(leaf * 1.0, POSITIONS, cos, sin, HEADS, HEAD_DIM).backward(grad)
-    assert torch.equal(grad, grad_before)
-
-    reference_leaf = qkv.clone().requires_grad_(True)
-    packed_rope.rotate_query_key_reference(reference_leaf, POSITIONS, cos, sin, HEADS, HEAD_DIM).backward(grad)
-    torch.testing.assert_close(leaf.grad, reference_leaf.grad, rtol=1e-6, atol=1e-6)
 
 
 class _ViewFromAFunction(torch.autograd.Function):
@@ -99,20 +85,10 @@ class _ViewFromAFunction(torch.autograd.Function):
         return grad
 
 
-def test_in_place_rotation_writes_the_buffer_and_matches_the_copying_kernel(interpreted_kernel):
-    cos, sin = tables()
-    qkv = torch.randn(len(POSITIONS), 3 * HEADS * HEAD_DIM)
-    expected = packed_rope.rotate_query_key(qkv, POSITIONS, cos, sin, HEADS, HEAD_DIM)
-    buffer = qkv.clone()
-    out = packed_rope.rotate_query_key_(buffer, POSITIONS, cos, sin, HEADS, HEAD_DIM)
-    assert out.data_ptr() == buffer.data_ptr()  # no new buffer
-    assert torch.equal(out, expected)
-    assert torch.equal(buffer, expected)  # the projection's own buffer now holds the rotated query and key
-
-
-def test_in_place_backward_gives_the_gradients_of_the_copying_kernel(interpreted_kernel):
-    """Behind a Function that returns a view (TE's projection), forward and every gradient equal the out-of-place
-    rotation's; the incoming gradient buffer is rotated in place (it is attention's dQKV, used by nobody else)."""
+def test_backward_behind_a_view_from_a_function_is_the_transposed_rotation(interpreted_kernel):
+    """Behind a Function that returns a view (TE's projection), the forward and the input's gradient equal the
+    plain-torch rotation's; the incoming gradient buffer is rotated in place (it is attention's dQKV, used by nobody
+    else)."""
     cos, sin = tables()
     qkv = torch.randn(len(POSITIONS), 3 * HEADS * HEAD_DIM)
     grad = torch.randn_like(qkv)
@@ -126,22 +102,22 @@ def test_in_place_backward_gives_the_gradients_of_the_copying_kernel(interpreted
     out.backward(incoming)
 
     reference_leaf = qkv.clone().requires_grad_(True)
-    reference = packed_rope.rotate_query_key(reference_leaf * 1.0, POSITIONS, cos, sin, HEADS, HEAD_DIM)
+    reference = packed_rope.rotate_query_key_reference(reference_leaf, POSITIONS, cos, sin, HEADS, HEAD_DIM)
     reference.backward(grad)
-    assert torch.equal(out.detach(), reference.detach())
-    assert torch.equal(leaf.grad, reference_leaf.grad)
-    assert torch.equal(incoming, reference_leaf.grad)  # the incoming gradient was rotated where it lay
+    torch.testing.assert_close(out.detach(), reference.detach(), rtol=0, atol=0)
+    torch.testing.assert_close(leaf.grad, reference_leaf.grad, rtol=1e-6, atol=1e-6)
+    torch.testing.assert_close(incoming, reference_leaf.grad, rtol=1e-6, atol=1e-6)  # rotated where it lay
 
 
 def test_bad_buffers_are_refused_with_their_shape(interpreted_kernel):
     cos, sin = tables()
-    with pytest.raises(ValueError, match=r"contiguous \[tokens, 3 \* 5 \* 16\] QKV source, got \(11, 200\)"):
-        packed_rope.rotate_query_key(torch.zeros(11, 200), POSITIONS, cos, sin, HEADS, HEAD_DIM)
+    with pytest.raises(ValueError, match=r"contiguous \[tokens, 3 \* 5 \* 16\] QKV buffer, got \(11, 200\)"):
+        packed_rope.rotate_query_key_(torch.zeros(11, 200), POSITIONS, cos, sin, HEADS, HEAD_DIM)
     strided = torch.zeros(11, 2 * 3 * HEADS * HEAD_DIM)[:, ::2]
     with pytest.raises(ValueError, match="contiguous: False"):
-        packed_rope.rotate_query_key(strided, POSITIONS, cos, sin, HEADS, HEAD_DIM)
+        packed_rope.rotate_query_key_(strided, POSITIONS, cos, sin, HEADS, HEAD_DIM)
     with pytest.raises(ValueError, match="one entry per token"):
-        packed_rope.rotate_query_key(torch.zeros(11, 240), POSITIONS[:5], cos, sin, HEADS, HEAD_DIM)
+        packed_rope.rotate_query_key_(torch.zeros(11, 240), POSITIONS[:5], cos, sin, HEADS, HEAD_DIM)
 
 
 @pytest.mark.parametrize(("head_dim", "supported"), [(64, True), (128, True), (32, True), (96, False), (7, False)])
