@@ -2,6 +2,7 @@
 
 import importlib.util
 import os
+import re
 import subprocess
 import sys
 import textwrap
@@ -102,7 +103,10 @@ def test_summary_counts_last_line_and_junit_reports(tmp_path):
     assert proc.returncode == 0, proc.stdout + proc.stderr
     out = proc.stdout
     # A header per component and pytest's own progress lines are streamed before the summary.
-    assert out.index("alpha (models/alpha") < out.index("test_x.py::test_one PASSED") < out.index("Summary")
+    # (pytest-xdist's workers print "[gw0] [ 33%] PASSED tests/test_x.py::test_one", one process "... PASSED")
+    progress = re.search(r"^.*PASSED.*test_x\.py::test_one.*$|^.*test_x\.py::test_one PASSED.*$", out, re.MULTILINE)
+    assert progress, out
+    assert out.index("alpha (models/alpha") < progress.start() < out.index("Summary")
     table = {line.split()[0]: line.split() for line in out.split("Summary")[1].splitlines() if line.strip()}
     assert table["component"] == ["component", "passed", "failed", "skipped", "seconds", "status"]
     assert table["alpha"][1:4] == ["2", "0", "1"] and table["alpha"][5] == "PASS"
@@ -131,8 +135,9 @@ def test_collection_error_fails_the_run(tmp_path):
     make_component(tmp_path, "models/broken", {"tests/test_x.py": "import module_that_does_not_exist\n" + PASSING})
     proc = run_ci(tmp_path)
     assert proc.returncode == 1
-    summary = proc.stdout.split("Summary")[1]
-    assert "ERROR (pytest exit 2)" in summary
+    broken = next(line for line in proc.stdout.split("Summary")[1].splitlines() if line.startswith("broken"))
+    # One pytest process exits 2 on a collection error; with pytest-xdist workers the error is a failed test (exit 1).
+    assert broken.endswith(("ERROR (pytest exit 2)", "FAIL")), broken
     assert last_line(proc) == "1 passed, 1 failed"
 
 
@@ -191,6 +196,37 @@ GPU_TESTS = """
         pass
 """
 GPU_MARKERS_INI = "[pytest]\nmarkers =\n    requires_te\n    requires_multi_gpu\n"
+
+
+def test_workers_spread_a_components_tests_over_processes(tmp_path):
+    """--workers 2: the tests of one component run in two pytest-xdist processes and are counted once each;
+    --workers 1: in the one pytest process."""
+    make_component(
+        tmp_path,
+        "models/alpha",
+        {
+            "tests/test_x.py": """
+                import os, time
+                import pytest
+
+                @pytest.mark.parametrize("index", range(4))
+                def test_records_its_process(index):
+                    time.sleep(1)  # long enough that the second worker gets work before the first finishes it all
+                    name = os.environ.get("PYTEST_XDIST_WORKER", "main")
+                    with open(os.environ["PROCESS_LOG"], "a") as log:
+                        log.write(f"{name} {os.getpid()}\\n")
+            """
+        },
+    )
+    for workers, expected in (("2", {"gw0", "gw1"}), ("1", {"main"})):
+        log = tmp_path / f"processes_{workers}.log"
+        proc = run_ci(tmp_path, "--workers", workers, env=dict(os.environ, PROCESS_LOG=str(log)))
+        assert proc.returncode == 0, proc.stdout + proc.stderr
+        assert last_line(proc) == "4 passed, 0 failed"
+        lines = log.read_text().splitlines()
+        assert len(lines) == 4 and {line.split()[0] for line in lines} == expected, lines
+        assert len({line.split()[1] for line in lines}) == len(expected)
+    assert run_ci(tmp_path, "--workers", "0").returncode == 2
 
 
 def test_gpu_mode_runs_the_hardware_marked_tests_of_every_component(tmp_path):
