@@ -59,8 +59,9 @@ def test_model_tag_decides_the_model_family(tmp_path):
         family_of(str(bert))
 
 
+@pytest.mark.slow  # ~2 minutes of one CPU core; CI's GPU run trains this config (test_amplify_gpu.py), CPU CI a tiny one
 def test_the_shipped_l0_sanity_amplify_config_learns_and_exports(tmp_path):
-    """The config as a user runs it (150 steps of the 7M-parameter AMPLIFY, about a minute on two CPU cores)."""
+    """The config as a user runs it (150 steps of the 7M-parameter AMPLIFY, about two minutes on one CPU core)."""
     run_script("train_ddp.py", "--config-name", "L0_sanity_amplify", f"output_dir={tmp_path}", timeout=600)
     metrics = read_metrics(tmp_path)
     assert_converged(metrics, steps=150, initial_loss_above=LOSS_THRESHOLD)  # from ln(27) = 3.3 at step 1
@@ -85,6 +86,9 @@ def test_every_cpu_entrypoint_trains_amplify(tmp_path, script, nproc, input_form
         nproc=nproc,
     )  # fmt: skip
     assert_converged(metrics, steps=80, initial_loss_above=LOSS_THRESHOLD)
+    export_dir = tmp_path / "final_model"
+    assert json.loads((export_dir / "config.json").read_text())["architectures"] == ["NVAmplifyForMaskedLM"]
+    assert len(AutoTokenizer.from_pretrained(export_dir)) == 27  # the AMPLIFY vocabulary went with the export
     assert_export_reproduces_checkpoint(tmp_path, step=80)
 
 
