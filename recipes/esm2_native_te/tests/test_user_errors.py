@@ -1,9 +1,11 @@
 """User errors end with one line that names the problem and the fix, exit status 2, no traceback, nothing lost.
 
-Each case runs the script the way a user does and provokes one mistake: a missing or empty data file, a wrong
-column, residues outside the alphabet (found in a data-loader worker), a misspelled key, a value of the wrong type,
-FP8 on a machine without it, Megatron-FSDP without GPUs, resuming a checkpoint with another model shape, fine-tuning
-from an export with a file missing.
+Each case runs the script with the command line a user types and provokes one mistake: a missing or empty data file,
+a wrong column, residues outside the alphabet (found in a data-loader worker), a misspelled key, a value of the wrong
+type, FP8 on a machine without it, Megatron-FSDP without GPUs, resuming a checkpoint with another model shape,
+fine-tuning from an export with a file missing. The script runs as ``__main__`` inside the test process (a new
+interpreter would spend ~10 s importing torch for a run that fails in a second), except where the mistake is about the
+hardware: those runs need a process whose GPUs are hidden.
 """
 
 import json
@@ -11,7 +13,7 @@ import shutil
 from pathlib import Path
 
 import pytest
-from launch import assert_user_error, run_script, snapshot
+from launch import assert_user_error, run_in_process, run_script, snapshot
 
 
 TINY_MODEL = (
@@ -20,9 +22,14 @@ TINY_MODEL = (
 FAST = ["dataset.max_seq_length=128", "dataset.micro_batch_size=16", "dataset.token_budget=2048", "logger.log_every=1"]
 
 
-def fail(script: str, tmp_path: Path, *overrides: str, **kwargs):
+def fail(script: str, tmp_path: Path, *overrides: str):
+    return run_in_process(script, f"output_dir={tmp_path / 'run'}", TINY_MODEL, *FAST, *overrides, expect_failure=True)
+
+
+def fail_in_a_subprocess(script: str, tmp_path: Path, *overrides: str, nproc: int | None = None):
+    """A new process with the GPUs hidden (a mistake about the hardware), or ``nproc`` ranks under torchrun."""
     args = [f"output_dir={tmp_path / 'run'}", TINY_MODEL, *FAST, *overrides]
-    return run_script(script, *args, expect_failure=True, **kwargs)
+    return run_script(script, *args, expect_failure=True, cpu_only=True, nproc=nproc)
 
 
 @pytest.fixture(scope="module")
@@ -76,12 +83,12 @@ def test_value_of_the_wrong_type(tmp_path):
 
 def test_fp8_on_a_machine_without_it(tmp_path):
     """CPU-only (TE missing, or TE without a GPU): the message says how to train without FP8."""
-    result = fail("train_ddp.py", tmp_path, "fp8_config.enabled=true")
+    result = fail_in_a_subprocess("train_ddp.py", tmp_path, "fp8_config.enabled=true")
     assert_user_error(result, "fp8_config.enabled=false")
 
 
 def test_te_backend_on_a_machine_without_it(tmp_path):
-    result = fail("train_ddp.py", tmp_path, "+model_config_overrides.backend=te", cpu_only=True)
+    result = fail_in_a_subprocess("train_ddp.py", tmp_path, "+model_config_overrides.backend=te")
     assert_user_error(
         result, "backend='te' was requested but cannot run here", "+model_config_overrides.backend=torch"
     )
@@ -100,7 +107,7 @@ def test_logging_and_profiler_settings(tmp_path, override, phrase):
 
 
 def test_megatron_fsdp_without_gpus(tmp_path):
-    result = fail("train_mfsdp.py", tmp_path)
+    result = fail_in_a_subprocess("train_mfsdp.py", tmp_path)
     assert_user_error(result, "train_mfsdp.py needs CUDA GPUs", "use train_fsdp2.py")
 
 
@@ -111,7 +118,9 @@ def test_resume_with_another_model_shape_keeps_the_run(finished_run, tmp_path):
     run = shutil.copytree(finished_run, tmp_path / "run")
     before = snapshot(run)
     wider = TINY_MODEL.replace("hidden_size: 64", "hidden_size: 128")
-    result = run_script("train_ddp.py", f"output_dir={run}", wider, *FAST, "num_train_steps=4", expect_failure=True)
+    result = run_in_process(
+        "train_ddp.py", f"output_dir={run}", wider, *FAST, "num_train_steps=4", expect_failure=True
+    )
     assert_user_error(result, f"checkpoint {run}/checkpoints/step_2 holds a model of another shape", "resume=false")
     assert snapshot(run) == before
 

@@ -1,9 +1,11 @@
 """User errors end with one line that names the problem and the fix, exit status 2, no traceback, nothing lost.
 
-Each case runs the script the way a user does and provokes one mistake: a missing data path, a parquet without the
-input_ids column, gene ids outside the vocabulary (found in the data), a misspelled key, a value of the wrong type,
-FP8 or the TE backend on a machine without them, Megatron-FSDP without GPUs, a tokenizer that does not fit the model,
-resuming a checkpoint with another model shape, fine-tuning from an export with a file missing.
+Each case runs the script with the command line a user types and provokes one mistake: a missing data path, a parquet
+without the input_ids column, gene ids outside the vocabulary (found in the data), a misspelled key, a value of the
+wrong type, FP8 or the TE backend on a machine without them, Megatron-FSDP without GPUs, a tokenizer that does not fit
+the model, resuming a checkpoint with another model shape, fine-tuning from an export with a file missing. The script
+runs as ``__main__`` inside the test process (a new interpreter would spend ~10 s importing torch for a run that fails
+in a second), except where the mistake is about the hardware: those runs need a process whose GPUs are hidden.
 """
 
 import shutil
@@ -12,14 +14,20 @@ from pathlib import Path
 import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
-from launch import assert_user_error, run_script, snapshot
+from launch import assert_user_error, run_in_process, run_script, snapshot
 
 
 FAST = ["dataset.max_seq_length=128", "dataset.token_budget=1024", "logger.log_every=1", "dataset.num_workers=0"]
 
 
-def fail(script: str, tmp_path: Path, *overrides: str, **kwargs):
-    return run_script(script, f"output_dir={tmp_path / 'run'}", *FAST, *overrides, expect_failure=True, **kwargs)
+def fail(script: str, tmp_path: Path, *overrides: str):
+    return run_in_process(script, f"output_dir={tmp_path / 'run'}", *FAST, *overrides, expect_failure=True)
+
+
+def fail_in_a_subprocess(script: str, tmp_path: Path, *overrides: str, nproc: int | None = None):
+    """A new process with the GPUs hidden (a mistake about the hardware), or ``nproc`` ranks under torchrun."""
+    args = [f"output_dir={tmp_path / 'run'}", *FAST, *overrides]
+    return run_script(script, *args, expect_failure=True, cpu_only=True, nproc=nproc)
 
 
 @pytest.fixture(scope="module")
@@ -75,7 +83,7 @@ def test_model_override_the_model_cannot_honour(tmp_path):
 
 
 def test_fp8_on_a_machine_without_it(tmp_path):
-    result = fail("train_ddp.py", tmp_path, "fp8_config.enabled=true")
+    result = fail_in_a_subprocess("train_ddp.py", tmp_path, "fp8_config.enabled=true")
     assert_user_error(result, "fp8_config.enabled=false")
 
 
@@ -88,14 +96,14 @@ def test_fp8_with_a_shape_its_gemms_cannot_take(tmp_path):
 
 
 def test_te_backend_on_a_machine_without_it(tmp_path):
-    result = fail("train_ddp.py", tmp_path, "++model_config_overrides.backend=te", cpu_only=True)
+    result = fail_in_a_subprocess("train_ddp.py", tmp_path, "++model_config_overrides.backend=te")
     assert_user_error(
         result, "backend='te' was requested but cannot run here", "+model_config_overrides.backend=torch"
     )
 
 
 def test_megatron_fsdp_without_gpus(tmp_path):
-    result = fail("train_mfsdp.py", tmp_path)
+    result = fail_in_a_subprocess("train_mfsdp.py", tmp_path)
     assert_user_error(result, "train_mfsdp.py needs CUDA GPUs", "use train_fsdp2.py")
 
 
@@ -111,7 +119,7 @@ def test_tokenizer_of_another_vocabulary(tmp_path):
 def test_resume_with_another_model_shape_keeps_the_run(finished_run, tmp_path):
     run = shutil.copytree(finished_run, tmp_path / "run")
     before = snapshot(run)
-    result = run_script(
+    result = run_in_process(
         "train_ddp.py", f"output_dir={run}", *FAST, "num_train_steps=4", "++model_config_overrides.hidden_size=64",
         expect_failure=True,
     )  # fmt: skip

@@ -1,9 +1,11 @@
 """User errors end with one line that names the problem and the fix, exit status 2, no traceback, nothing lost.
 
-Each case runs the script the way a user does and provokes one mistake: a missing or empty data file, a wrong
-column, a misspelled key, a value of the wrong type, an unknown config, FP8 on a machine without it, a cp_size that
-does not divide the world size, resuming a checkpoint with another model shape or strategy, an export with a file
-missing. ``HYDRA_FULL_ERROR=1`` brings the traceback back.
+Each case runs the script with the command line a user types and provokes one mistake: a missing or empty data file,
+a wrong column, a misspelled key, a value of the wrong type, an unknown config, FP8 on a machine without it, a cp_size
+that does not divide the world size, resuming a checkpoint with another model shape or strategy, an export with a file
+missing. ``HYDRA_FULL_ERROR=1`` brings the traceback back. The script runs as ``__main__`` inside the test process (a
+new interpreter would spend ~10 s importing torch for a run that fails in a second), except where the mistake is about
+the hardware (those runs need a process whose GPUs are hidden) or needs torchrun.
 """
 
 import json
@@ -11,7 +13,7 @@ import shutil
 from pathlib import Path
 
 import pytest
-from launch import RECIPE_DIR, assert_user_error, run_script, snapshot
+from launch import RECIPE_DIR, assert_user_error, run_in_process, run_script, snapshot
 from omegaconf import OmegaConf
 from user_errors import PathNotFoundError
 
@@ -19,8 +21,15 @@ from user_errors import PathNotFoundError
 FAST = ["dataset.max_seq_length=128", "dataset.window_overlap=0", "dataset.token_budget=256", "logger.log_every=1"]
 
 
-def fail(script: str, tmp_path: Path, *overrides: str, **kwargs):
-    return run_script(script, f"output_dir={tmp_path / 'run'}", *FAST, *overrides, expect_failure=True, **kwargs)
+def fail(script: str, tmp_path: Path, *overrides: str, env: dict | None = None):
+    args = [f"output_dir={tmp_path / 'run'}", *FAST, *overrides]
+    return run_in_process(script, *args, env=env, expect_failure=True)
+
+
+def fail_in_a_subprocess(script: str, tmp_path: Path, *overrides: str, nproc: int | None = None):
+    """A new process with the GPUs hidden (a mistake about the hardware), or ``nproc`` ranks under torchrun."""
+    args = [f"output_dir={tmp_path / 'run'}", *FAST, *overrides]
+    return run_script(script, *args, expect_failure=True, cpu_only=True, nproc=nproc)
 
 
 @pytest.fixture(scope="module")
@@ -76,7 +85,7 @@ def test_value_of_the_wrong_type(tmp_path, override, phrase):
 
 
 def test_unknown_config_name(tmp_path):
-    result = run_script("train_ddp.py", "--config-name", "L0_sanit", expect_failure=True)
+    result = run_in_process("train_ddp.py", "--config-name", "L0_sanit", expect_failure=True)
     assert_user_error(result, "--config-name L0_sanit: no such config", "L0_sanity")
 
 
@@ -87,12 +96,12 @@ def test_missing_required_value(tmp_path):
 
 def test_fp8_on_a_machine_without_it(tmp_path):
     """CPU-only (TE missing, or TE without a GPU): the message says how to train without FP8."""
-    result = fail("train_ddp.py", tmp_path, "fp8_config.enabled=true")
+    result = fail_in_a_subprocess("train_ddp.py", tmp_path, "fp8_config.enabled=true")
     assert_user_error(result, "fp8_config.enabled=false")
 
 
 def test_te_backend_on_a_machine_without_it(tmp_path):
-    result = fail("train_ddp.py", tmp_path, "+model_config_overrides.backend=te", cpu_only=True)
+    result = fail_in_a_subprocess("train_ddp.py", tmp_path, "+model_config_overrides.backend=te")
     assert_user_error(
         result, "backend='te' was requested but cannot run here", "+model_config_overrides.backend=torch"
     )
@@ -116,7 +125,7 @@ def test_model_tag_without_config_json_is_refused_before_building_a_model(tmp_pa
 
 def test_cp_size_that_does_not_divide_the_world_size(tmp_path):
     """Under torchrun rank 0 prints the line once; torchrun's own failure report repeats it (its error file)."""
-    result = fail("train_cp.py", tmp_path, "cp_size=3", nproc=2)
+    result = fail_in_a_subprocess("train_cp.py", tmp_path, "cp_size=3", nproc=2)
     line = "error: cp_size=3 must be >= 1 and divide the number of processes (2)"
     lines = result.stderr.splitlines()
     assert sum(text.startswith(line) for text in lines) == 1, result.stderr[-3000:]
@@ -136,7 +145,9 @@ def test_resume_with_another_model_shape_keeps_the_run(finished_run, tmp_path):
     run = shutil.copytree(finished_run, tmp_path / "run")
     before = snapshot(run)
     deeper = "+model_config_overrides.num_hidden_layers=3"
-    result = run_script("train_ddp.py", f"output_dir={run}", *FAST, "num_train_steps=4", deeper, expect_failure=True)
+    result = run_in_process(
+        "train_ddp.py", f"output_dir={run}", *FAST, "num_train_steps=4", deeper, expect_failure=True
+    )
     assert_user_error(result, f"checkpoint {run}/checkpoints/step_2 holds a model of another shape", "resume=false")
     assert snapshot(run) == before
 
@@ -144,7 +155,7 @@ def test_resume_with_another_model_shape_keeps_the_run(finished_run, tmp_path):
 def test_resume_with_another_strategy_keeps_the_run(finished_run, tmp_path):
     run = shutil.copytree(finished_run, tmp_path / "run")
     before = snapshot(run)
-    result = run_script("train_fsdp2.py", f"output_dir={run}", *FAST, "num_train_steps=4", expect_failure=True)
+    result = run_in_process("train_fsdp2.py", f"output_dir={run}", *FAST, "num_train_steps=4", expect_failure=True)
     assert_user_error(result, "was written by a DDP run and this is a FSDP2 run", "new output_dir")
     assert snapshot(run) == before
 
@@ -155,5 +166,5 @@ def test_generate_from_an_export_with_a_file_missing(finished_run, tmp_path, mis
     if missing == "tokenizer.json":
         (export / "tokenizer_config.json").unlink()
     (export / missing).unlink()
-    result = run_script("generate.py", str(export), "--max-new-tokens", "4", expect_failure=True)
+    result = run_in_process("generate.py", str(export), "--max-new-tokens", "4", expect_failure=True)
     assert_user_error(result, f"model_dir={export}", "no tokenizer" if missing == "tokenizer.json" else missing)

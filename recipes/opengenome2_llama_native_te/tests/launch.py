@@ -1,14 +1,20 @@
 # Copied from common/tests/launch.py — edit the source, then run ci/check_copies.py --fix
-"""Run a script the way a user does: ``torchrun`` in a subprocess, or plain ``python`` for one process."""
+"""Run a script the way a user does: ``torchrun`` in a subprocess, or plain ``python`` for one process; or, for a run
+that ends before training (a user error), as ``__main__`` inside the test process."""
 
 import contextlib
+import functools
 import hashlib
+import io
+import logging
 import os
+import runpy
 import signal
 import subprocess
 import sys
 import threading
 import time
+import traceback
 from pathlib import Path
 
 
@@ -81,6 +87,79 @@ def run_script(
             f"--- stdout ---\n{result.stdout[-6000:]}\n--- stderr ---\n{result.stderr[-10000:]}"
         )
     return result
+
+
+def run_in_process(
+    script: str | Path, *args: str, env: dict | None = None, expect_failure: bool = False
+) -> subprocess.CompletedProcess:
+    """``python script args`` without a new interpreter: ``script`` runs as ``__main__`` in this process.
+
+    For runs that end before they train, such as a user error, where a subprocess spends ~10 s importing torch and
+    transformers for a second of work. The result reads like :func:`run_script`'s: the exit status (``SystemExit``'s
+    code; 1 and the traceback on stderr for an uncaught exception, as Python does) and what the script printed
+    through ``sys.stdout``/``sys.stderr``. What the script changes in this process is undone afterwards: environment,
+    ``sys.argv``, working directory, the root logger's handlers, a process group; and ``os._exit`` (which a finished
+    CPU run calls, see ``distributed.cleanup_distributed``) raises ``SystemExit`` instead of ending the test process.
+    Unlike :func:`run_script` it cannot hide GPUs (CUDA is set up once per process), so a check that depends on the
+    hardware needs :func:`run_script`.
+    """
+    script = RECIPE_DIR / script
+    command = [sys.executable, str(script), *args]
+    saved_environ, saved_argv, saved_cwd = dict(os.environ), sys.argv, os.getcwd()
+    root_logger = logging.getLogger()
+    saved_handlers, saved_level = root_logger.handlers[:], root_logger.level
+    stdout, stderr = io.StringIO(), io.StringIO()
+    os.environ.update({"TOKENIZERS_PARALLELISM": "false", "WANDB_MODE": "disabled", **(env or {})})
+    sys.argv = [str(script), *args]
+    os.chdir(RECIPE_DIR)
+    process_exit = os._exit
+    os._exit = functools.partial(_exit_this_run, process_exit, os.getpid())
+    returncode = 0
+    try:
+        with contextlib.redirect_stdout(stdout), contextlib.redirect_stderr(stderr):
+            try:
+                runpy.run_path(str(script), run_name="__main__")
+            except SystemExit as exit_:
+                returncode = _exit_status(exit_.code)
+            except Exception:
+                traceback.print_exc()
+                returncode = 1
+    finally:
+        os._exit = process_exit
+        os.environ.clear()
+        os.environ.update(saved_environ)
+        sys.argv = saved_argv
+        os.chdir(saved_cwd)
+        root_logger.handlers[:] = saved_handlers
+        root_logger.setLevel(saved_level)
+        distributed = sys.modules.get("torch.distributed")
+        if distributed is not None and distributed.is_available() and distributed.is_initialized():
+            distributed.destroy_process_group()  # a run that failed after setting up its (one-rank) group
+    result = subprocess.CompletedProcess(command, returncode, stdout.getvalue(), stderr.getvalue())
+    if (returncode != 0) != expect_failure:
+        raise AssertionError(
+            f"{' '.join(command)} (in process) exited with {returncode}\n"
+            f"--- stdout ---\n{result.stdout[-6000:]}\n--- stderr ---\n{result.stderr[-10000:]}"
+        )
+    return result
+
+
+def _exit_this_run(process_exit, test_process: int, status: int) -> None:
+    """``os._exit`` during :func:`run_in_process`: the run ends, not the test process. A process forked meanwhile (a
+    data-loader worker, which leaves through ``os._exit``) still exits: it would otherwise go on running the tests."""
+    if os.getpid() != test_process:
+        process_exit(status)
+    raise SystemExit(status)
+
+
+def _exit_status(code) -> int:
+    """The exit status Python gives ``sys.exit(code)``: None is 0, a number is itself, anything else is printed, 1."""
+    if code is None:
+        return 0
+    if isinstance(code, int):
+        return code
+    print(code, file=sys.stderr)
+    return 1
 
 
 def abort_process_tree(process: subprocess.Popen, grace_s: float = 5.0) -> tuple[str, str]:
