@@ -218,9 +218,11 @@ def test_workers_spread_a_components_tests_over_processes(tmp_path):
             """
         },
     )
+    # Not this test's own worker name, when CI runs it under pytest-xdist: the inner run must set its own.
+    outer = {k: v for k, v in os.environ.items() if not k.startswith("PYTEST_XDIST_")}
     for workers, expected in (("2", {"gw0", "gw1"}), ("1", {"main"})):
         log = tmp_path / f"processes_{workers}.log"
-        proc = run_ci(tmp_path, "--workers", workers, env=dict(os.environ, PROCESS_LOG=str(log)))
+        proc = run_ci(tmp_path, "--workers", workers, env=dict(outer, PROCESS_LOG=str(log)))
         assert proc.returncode == 0, proc.stdout + proc.stderr
         assert last_line(proc) == "4 passed, 0 failed"
         lines = log.read_text().splitlines()
