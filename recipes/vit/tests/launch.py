@@ -100,8 +100,8 @@ def run_in_process(
     through ``sys.stdout``/``sys.stderr``. What the script changes in this process is undone afterwards: environment,
     ``sys.argv``, working directory, the root logger's handlers, a process group; and ``os._exit`` (which a finished
     CPU run calls, see ``distributed.cleanup_distributed``) raises ``SystemExit`` instead of ending the test process.
-    Unlike :func:`run_script` it cannot hide GPUs (CUDA is set up once per process), so a check that depends on the
-    hardware needs :func:`run_script`.
+    GPUs are hidden only if ``env`` sets ``CUDA_VISIBLE_DEVICES`` before anything in this process set CUDA up (it
+    is read once per process), so a check that depends on the hardware is surest with :func:`run_script`.
     """
     script = RECIPE_DIR / script
     command = [sys.executable, str(script), *args]
