@@ -39,6 +39,7 @@ from transformers.modeling_outputs import BaseModelOutput, MaskedLMOutput
 
 try:  # package import (models/amplify, exported checkpoints)
     from .activation_recompute import call_layer, recomputes, refuse_delayed_scaling, validate_recompute_layers
+    from .fused_residual_layer import FusedResidualTransformerLayer
     from .layer_autocast import LayerAutocast
     from .meta_init import materialize_meta_model
     from .packed_rope import PackedQKVRotary
@@ -47,6 +48,7 @@ try:  # package import (models/amplify, exported checkpoints)
     from .torch_layers import TransformerLayer as TorchTransformerLayer
 except ImportError:  # flat copy inside a recipe folder
     from activation_recompute import call_layer, recomputes, refuse_delayed_scaling, validate_recompute_layers
+    from fused_residual_layer import FusedResidualTransformerLayer
     from layer_autocast import LayerAutocast
     from meta_init import materialize_meta_model
     from packed_rope import PackedQKVRotary
@@ -135,6 +137,11 @@ class NVAmplifyConfig(PreTrainedConfig):
     # that step is host-bound (GPU ~70% busy) and the kernel's Python hooks cost more host time than they save:
     # 146-156k vs 158-164k tokens/s. ESM-2 650M (GPU-bound) gains 3-4% and has it on (docs/benchmarks.md).
     fused_qkv_rope: bool = False
+    # TE backend: build the layers as FusedResidualTransformerLayer (fused_residual_layer.py): the same parameters and
+    # numbers as TE's layer, with the residual adds done inside Triton RMSNorm kernels (three fewer passes over the
+    # activations per layer). Always rotates inside the QKV projection (as fused_qkv_rope=True). bf16/fp32 only: no
+    # FP8/FP4 layers, no context parallelism. 350M, 64k tokens, 1xH100: docs/benchmarks.md.
+    fused_residual_norm: bool = False
     # Derived, not a setting: the standard deviation of the linear init, decoder_init_range / sqrt(3) (a uniform
     # draw on [-r, r] has std r / sqrt(3)). The project's shared init checks read it.
     initializer_range: float | None = None
@@ -182,6 +189,8 @@ class NVAmplifyConfig(PreTrainedConfig):
             if bad:
                 problems.append(f"layer_precision entries must be None, 'fp8' or 'fp4', got {bad}")
         problems += validate_recompute_layers(self.recompute_layers, self.num_hidden_layers)
+        if self.fused_residual_norm and any(p is not None for p in self.layer_precision or []):
+            problems.append("fused_residual_norm layers compute in bf16/fp32 only: layer_precision must be all None")
         if problems:
             raise ValueError("Invalid NVAmplifyConfig: " + "; ".join(problems))
 
@@ -227,7 +236,9 @@ def _uniform_init(half_width: float):
 
 
 def _build_layers(config: NVAmplifyConfig, backend: str) -> nn.ModuleList:
-    layer_class = te.TransformerLayer if backend == "te" else TorchTransformerLayer
+    layer_class = TorchTransformerLayer
+    if backend == "te":
+        layer_class = FusedResidualTransformerLayer if config.fused_residual_norm else te.TransformerLayer
     init_method = _uniform_init(config.decoder_init_range)
     device_kwargs = {}
     if backend == "te":  # TE allocates on CUDA unless told otherwise; honour a meta-device context
@@ -266,7 +277,10 @@ def _is_backend_layer(module: nn.Module) -> bool:
     origin = type(module).__module__
     return (
         hasattr(module, "reset_parameters")
-        and (origin.startswith("transformer_engine") or origin == TorchTransformerLayer.__module__)
+        and (
+            origin.startswith("transformer_engine")
+            or origin in (TorchTransformerLayer.__module__, FusedResidualTransformerLayer.__module__)
+        )
         and any(True for _ in module.parameters(recurse=False))
     )
 
@@ -275,7 +289,7 @@ class NVAmplifyPreTrainedModel(PreTrainedModel):
     config_class = NVAmplifyConfig
     config: NVAmplifyConfig
     base_model_prefix = "amplify"
-    _no_split_modules = ["TransformerLayer"]
+    _no_split_modules = ["TransformerLayer", "FusedResidualTransformerLayer"]
     # gradient_checkpointing_enable() recomputes every layer's activations (see config.recompute_layers).
     supports_gradient_checkpointing = True
     # TE keeps FP8 scaling state in `_extra_state`; it is runtime bookkeeping, not part of a published model.
@@ -330,7 +344,12 @@ class NVAmplifyModel(NVAmplifyPreTrainedModel):
         self.qkv_rotary = None
         if self.backend == "te":
             self.qkv_rotary = PackedQKVRotary.for_layers(self.layers, config.num_attention_heads, head_dim)
-            if self.qkv_rotary is not None:  # attention reads q/k/v as views of the rotated buffer
+            if config.fused_residual_norm and self.qkv_rotary is None:
+                raise ValueError(
+                    "fused_residual_norm rotates queries and keys inside the QKV projection, which needs Triton and "
+                    f"half a head ({head_dim // 2}) to be a power of two"
+                )
+            if self.qkv_rotary is not None and not config.fused_residual_norm:  # q/k/v as views of the rotated buffer
                 split_packed_qkv(self.layers)
         self.layer_precision = list(config.layer_precision or [None] * config.num_hidden_layers)
         self.cp_group = None
@@ -371,6 +390,14 @@ class NVAmplifyModel(NVAmplifyPreTrainedModel):
         under torch.compile, where dynamo fails inside TE's attention on the packed-QKV path (TE 2.20, torch 2.11)."""
         if self.qkv_rotary is None:
             return rotary
+        if self.config.fused_residual_norm:  # these layers always rotate in the projection
+            if packed.cu_seqlens_padded is not None or torch.compiler.is_compiling():
+                raise ValueError(
+                    "fused_residual_norm layers take packed sequences without per-sequence padding (no context "
+                    "parallelism) and do not run under torch.compile; set fused_residual_norm=False for those"
+                )
+            self.qkv_rotary.set_batch(packed.positions(), rotary)
+            return None
         in_projection = (
             self.config.fused_qkv_rope and packed.cu_seqlens_padded is None and not torch.compiler.is_compiling()
         )

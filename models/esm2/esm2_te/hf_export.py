@@ -33,7 +33,7 @@ logger = logging.getLogger(__name__)
 
 # Files a modeling file imports from beside it; an export ships those of them that sit beside it (te_attention.py
 # belongs to the models whose TE attention takes packed QKV, activation_recompute.py to all but ViT, packed_rope.py
-# to ESM-2 and AMPLIFY, layer_autocast.py to all).
+# to ESM-2 and AMPLIFY, fused_residual_layer.py and residual_rmsnorm.py to AMPLIFY, layer_autocast.py to all).
 MODELING_SUPPORT_FILES = (
     "torch_layers.py",
     "packing.py",
@@ -41,6 +41,8 @@ MODELING_SUPPORT_FILES = (
     "te_attention.py",
     "activation_recompute.py",
     "packed_rope.py",
+    "fused_residual_layer.py",
+    "residual_rmsnorm.py",
     "layer_autocast.py",
 )
 

@@ -26,6 +26,9 @@ L0_AMPLIFY_SHAPE = [
     [
         ("train_ddp.py", ["dataset.input_format=bshd"]),
         ("train_fsdp2.py", ["dataset.input_format=thd"]),
+        # FusedResidualTransformerLayer (residual adds inside the RMSNorm kernels) in place of TE's layer
+        ("train_ddp.py", ["dataset.input_format=thd", "+model_config_overrides.fused_residual_norm=true"]),
+        ("train_fsdp2.py", ["dataset.input_format=bshd", "+model_config_overrides.fused_residual_norm=true"]),
     ],
 )
 def test_te_backend_learns_and_exports(tmp_path, script, overrides):
@@ -55,9 +58,16 @@ def test_fp8_layers_learn(tmp_path, recipe):
 
 @pytest.mark.requires_gpu
 @pytest.mark.skipif(importlib.util.find_spec("megatron_fsdp") is None, reason="megatron-fsdp is not installed")
-def test_megatron_fsdp_learns_and_exports(tmp_path):
+@pytest.mark.parametrize("fused_residual_norm", [False, True])
+def test_megatron_fsdp_learns_and_exports(tmp_path, fused_residual_norm):
     metrics = train_on_gpu(
-        "train_mfsdp.py", tmp_path, "dataset.input_format=thd", nproc=1, steps=STEPS, config_name=L0_AMPLIFY
+        "train_mfsdp.py",
+        tmp_path,
+        "dataset.input_format=thd",
+        f"+model_config_overrides.fused_residual_norm={str(fused_residual_norm).lower()}",
+        nproc=1,
+        steps=STEPS,
+        config_name=L0_AMPLIFY,
     )
     assert_learned(metrics)
     assert_export_reproduces_checkpoint(tmp_path, step=STEPS)

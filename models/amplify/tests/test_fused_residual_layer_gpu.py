@@ -1,0 +1,96 @@
+"""AMPLIFY with ``fused_residual_norm=True`` (fused_residual_layer.py: residual adds inside Triton RMSNorm kernels)
+gives the numbers of TE's ``TransformerLayer`` with the same weights, has the same state-dict keys, and trains with
+recompute and from a meta-device init. The kernels are tested on CPU in test_residual_rmsnorm.py."""
+
+import pytest
+import torch
+from amplify_testing import make_batch, reference_model, reference_to_nv
+
+from amplify_te.fused_residual_layer import FusedResidualTransformerLayer
+from amplify_te.modeling_amplify_te import NVAmplifyForMaskedLM
+
+
+pytestmark = [pytest.mark.requires_gpu, pytest.mark.requires_te]
+
+# 15 heads of 64 as AMPLIFY 350M (a head count that is not a power of two), hidden 960 (not a power of two either).
+SHAPE = {"num_hidden_layers": 2, "hidden_size": 960, "num_attention_heads": 15, "intermediate_size": 1920}
+
+
+def thd(batch: dict) -> dict:
+    keep = batch["attention_mask"].bool()
+    lengths = batch["attention_mask"].sum(1)
+    return {
+        "input_ids": batch["input_ids"][keep][None],
+        "labels": batch["labels"][keep][None],
+        "cu_seq_lens_q": torch.nn.functional.pad(lengths.cumsum(0), (1, 0)).int(),
+        "max_length_q": int(lengths.max()),
+    }
+
+
+def relative_error(actual: torch.Tensor, expected: torch.Tensor) -> float:
+    return ((actual - expected).float().norm() / expected.float().norm().clamp(min=1e-12)).item()
+
+
+def run(model, batch, autocast: bool):
+    with torch.autocast("cuda", dtype=torch.bfloat16, enabled=autocast):
+        output = model(**batch)
+    output.loss.backward()
+    return output
+
+
+@pytest.mark.parametrize("recompute", [False, True], ids=["keep", "recompute"])
+@pytest.mark.parametrize("input_format", ["bshd", "thd"])
+@pytest.mark.parametrize("precision", ["bf16-autocast", "fp32"])
+def test_fused_residual_layers_equal_te_layers(precision, input_format, recompute):
+    reference = reference_model(SHAPE)
+    fused = reference_to_nv(reference, backend="te", fused_residual_norm=True).cuda().train()
+    plain = reference_to_nv(reference, backend="te", fused_qkv_rope=True).cuda().train()
+    assert all(isinstance(layer, FusedResidualTransformerLayer) for layer in fused.amplify.layers)
+    assert not any(isinstance(layer, FusedResidualTransformerLayer) for layer in plain.amplify.layers)
+    assert sorted(fused.state_dict()) == sorted(plain.state_dict())  # checkpoints load either way
+    fused.config.recompute_layers = SHAPE["num_hidden_layers"] if recompute else 0
+    batch = make_batch([200, 130, 77, 250, 31])
+    batch = thd(batch) if input_format == "thd" else batch
+    batch = {k: v.cuda() if isinstance(v, torch.Tensor) else v for k, v in batch.items()}
+    autocast = precision == "bf16-autocast"
+    out_fused, out_plain = run(fused, batch, autocast), run(plain, batch, autocast)
+    # bf16: a few roundings apart per layer; fp32: the same math in another order and precision of accumulation
+    # (TE's kernels and GEMM settings vs Triton's and torch's), 1e-5 apart in the loss.
+    loss_tolerance, logits_tolerance, grad_tolerance = (2e-3, 1e-2, 2e-2) if autocast else (1e-4, 1e-3, 1e-2)
+    assert out_fused.loss.item() == pytest.approx(out_plain.loss.item(), rel=loss_tolerance)
+    assert relative_error(out_fused.logits, out_plain.logits) < logits_tolerance
+    plain_params = dict(plain.named_parameters())
+    for name, param in fused.named_parameters():
+        expected = plain_params[name].grad
+        assert param.grad is not None and expected is not None, name
+        assert relative_error(param.grad, expected) < grad_tolerance, (name, relative_error(param.grad, expected))
+
+
+def test_fused_residual_layers_train_from_a_meta_device_init():
+    config = reference_to_nv(reference_model(SHAPE), backend="te", fused_residual_norm=True).config
+    with torch.device("meta"):
+        model = NVAmplifyForMaskedLM(config)
+    model.init_empty_weights()
+    layer = model.amplify.layers[0]
+    assert torch.equal(layer.self_attention.layernorm_qkv.layer_norm_weight, torch.ones(960, device="cuda"))
+    weight = layer.layernorm_mlp.fc1_weight
+    assert weight.abs().max() <= config.decoder_init_range and weight.std() > 0.5 * config.initializer_range
+    model.train()
+    batch = {k: v.cuda() for k, v in make_batch([120, 64]).items()}
+    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3)
+    losses = []
+    for _ in range(8):
+        with torch.autocast("cuda", dtype=torch.bfloat16):
+            loss = model(**batch).loss
+        loss.backward()
+        optimizer.step()
+        optimizer.zero_grad()
+        losses.append(loss.item())
+    assert losses[-1] < losses[0] - 0.5, losses  # learns the one batch
+
+
+def test_fused_residual_layer_refuses_what_it_does_not_implement():
+    with pytest.raises(ValueError, match="does not support attention_dropout=0.1"):
+        FusedResidualTransformerLayer(960, 1280, 15, attention_dropout=0.1, device="cuda")
+    with pytest.raises(ValueError, match="normalization='LayerNorm'"):
+        FusedResidualTransformerLayer(960, 1280, 15, normalization="LayerNorm", device="cuda")
