@@ -176,7 +176,7 @@ def rms_norm_forward(x, weight, eps: float, add=None):
 
 def rms_norm_backward(dy, x, weight, rstd, residual_grad=None):
     """(dx, d_weight): the norm's input gradient, plus ``residual_grad`` where given, and the weight's gradient."""
-    dy = dy.contiguous()
+    x, dy = x.contiguous(), dy.contiguous()
     _check("the output gradient", dy, x)
     if residual_grad is not None:
         residual_grad = residual_grad.contiguous()
@@ -210,10 +210,11 @@ def rms_norm_backward(dy, x, weight, rstd, residual_grad=None):
 class _RMSNormKeepInput(torch.autograd.Function):
     @staticmethod
     def forward(ctx, x, weight, eps: float):
+        x = x.contiguous()  # what the kernels read and what is handed on as the residual
         y, _, rstd = rms_norm_forward(x, weight, eps)
         ctx.save_for_backward(x, weight, rstd)
         # x is returned as is (autograd makes it a view of the input): the residual path's use of it sends its
-        # gradient here, into the same kernel as the norm's.
+        # gradient here, into the same kernel as the norm's. (A strided input was copied above; the copy goes on.)
         return y, x
 
     @staticmethod

@@ -93,6 +93,20 @@ def test_every_gradient_equals_plain_torch_in_float32():
         torch.testing.assert_close(actual, expected, rtol=1e-5, atol=1e-5, msg=name)
 
 
+def test_strided_input_gives_the_same_numbers():
+    """A transposed (non-contiguous) input: outputs and gradients equal those of its contiguous copy."""
+    results = []
+    for make_strided in (False, True):
+        x, a, weight = (t.clone().requires_grad_() for t in inputs())
+        source = x.detach().t().contiguous().t().requires_grad_() if make_strided else x
+        assert source.is_contiguous() is not make_strided
+        out = kernel_block(source, a, weight)
+        out.backward(torch.linspace(-1, 1, out.numel()).view_as(out))
+        results.append((out.detach(), source.grad, a.grad, weight.grad))
+    for expected, actual in zip(*results):
+        torch.testing.assert_close(actual, expected, rtol=0, atol=0)
+
+
 def test_bfloat16_close_to_plain_torch():
     grads = []
     for block in (reference_block, kernel_block):
