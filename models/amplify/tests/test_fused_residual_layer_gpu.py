@@ -5,6 +5,7 @@ recompute and from a meta-device init. The kernels are tested on CPU in test_res
 import pytest
 import torch
 from amplify_testing import make_batch, reference_model, reference_to_nv
+from model_contract import pack
 
 from amplify_te.fused_residual_layer import FusedResidualTransformerLayer
 from amplify_te.modeling_amplify_te import NVAmplifyForMaskedLM
@@ -14,17 +15,6 @@ pytestmark = [pytest.mark.requires_gpu, pytest.mark.requires_te]
 
 # 15 heads of 64 as AMPLIFY 350M (a head count that is not a power of two), hidden 960 (not a power of two either).
 SHAPE = {"num_hidden_layers": 2, "hidden_size": 960, "num_attention_heads": 15, "intermediate_size": 1920}
-
-
-def thd(batch: dict) -> dict:
-    keep = batch["attention_mask"].bool()
-    lengths = batch["attention_mask"].sum(1)
-    return {
-        "input_ids": batch["input_ids"][keep][None],
-        "labels": batch["labels"][keep][None],
-        "cu_seq_lens_q": torch.nn.functional.pad(lengths.cumsum(0), (1, 0)).int(),
-        "max_length_q": int(lengths.max()),
-    }
 
 
 def relative_error(actual: torch.Tensor, expected: torch.Tensor) -> float:
@@ -50,7 +40,7 @@ def test_fused_residual_layers_equal_te_layers(precision, input_format, recomput
     assert sorted(fused.state_dict()) == sorted(plain.state_dict())  # checkpoints load either way
     fused.config.recompute_layers = SHAPE["num_hidden_layers"] if recompute else 0
     batch = make_batch([200, 130, 77, 250, 31])
-    batch = thd(batch) if input_format == "thd" else batch
+    batch = pack(batch) if input_format == "thd" else batch
     batch = {k: v.cuda() if isinstance(v, torch.Tensor) else v for k, v in batch.items()}
     autocast = precision == "bf16-autocast"
     out_fused, out_plain = run(fused, batch, autocast), run(plain, batch, autocast)

@@ -4,6 +4,7 @@ the numbers of TE's own RoPE path. The kernel itself is tested on CPU in models/
 import pytest
 import torch
 from amplify_testing import make_batch, reference_model, reference_to_nv
+from model_contract import pack
 
 
 @pytest.mark.requires_gpu
@@ -26,14 +27,7 @@ def test_amplify_with_rope_in_the_projection_equals_te_rope(input_format, recomp
     models[True].config.recompute_layers = len(layers) if recompute else 0
     batch = make_batch([200, 130, 77, 250, 31])
     if input_format == "thd":
-        keep = batch["attention_mask"].bool()
-        lengths = batch["attention_mask"].sum(1)
-        batch = {
-            "input_ids": batch["input_ids"][keep][None],
-            "labels": batch["labels"][keep][None],
-            "cu_seq_lens_q": torch.nn.functional.pad(lengths.cumsum(0), (1, 0)).int(),
-            "max_length_q": int(lengths.max()),
-        }
+        batch = pack(batch)
     batch = {k: v.cuda() if isinstance(v, torch.Tensor) else v for k, v in batch.items()}
     outputs = {}
     for flag, model in models.items():
