@@ -414,14 +414,28 @@ class NVAmplifyModel(NVAmplifyPreTrainedModel):
             refuse_delayed_scaling(self)  # recompute can also be switched on after construction
         rotary = self._layer_rotary(packed, self.rotary_embeddings(packed.max_seqlen))
         all_hidden = []
+        # fused_residual_norm layers hand their last residual add to the next layer's first norm kernel: each returns
+        # (mlp_out, residual) unsummed, and the sum is formed here only after the last layer.
+        defer_residual = self.backend == "te" and self.config.fused_residual_norm
+        pending = None
         with self._layer_autocast() as regions:
             for index, layer in enumerate(self.layers):
                 if output_hidden_states:
-                    all_hidden.append(hidden)
+                    all_hidden.append(hidden if pending is None else hidden + pending)
                 regions.enter_layer(index)
+                deferred = {"pending_residual": pending, "defer_residual": True} if defer_residual else {}
                 hidden = call_layer(
-                    layer, recomputes(self, index), hidden, rotary_pos_emb=rotary, **packed.layer_boundaries()
+                    layer,
+                    recomputes(self, index),
+                    hidden,
+                    rotary_pos_emb=rotary,
+                    **packed.layer_boundaries(),
+                    **deferred,
                 )
+                if defer_residual:
+                    hidden, pending = hidden
+        if pending is not None:
+            hidden = hidden + pending
         if self.final_norm is not None:
             hidden = self.final_norm(hidden)
         if output_hidden_states:

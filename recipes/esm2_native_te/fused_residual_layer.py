@@ -11,8 +11,9 @@ parameter names and state-dict keys, so that a model can switch between the two 
 What differs is how the work is split into kernels (residual_rmsnorm.py): TE's layer spends a separate elementwise
 kernel on each residual add in the forward and on each sum of two gradients in the backward (four per layer, each a
 full pass over [tokens, hidden]). Here the attention's residual add is done by the FFN norm's kernel (which writes the
-sum and its normalised form in one pass) and both backward sums by the norms' backward kernels; only the layer's last
-add, whose sum the next layer reads, stays a separate kernel. The GEMMs are torch's (cuBLAS, as TE's are in bf16),
+sum and its normalised form in one pass) and both backward sums by the norms' backward kernels; the layer's last add
+is left to the next layer's first norm kernel when the caller chains layers with ``defer_residual`` (see
+``forward``), else it is a separate kernel. The GEMMs are torch's (cuBLAS, as TE's are in bf16),
 attention is TE's fused attention on query/key/value views of the QKV projection (te_attention.py), and SwiGLU is
 TE's kernel. Rotary embeddings must be applied inside the QKV projection (packed_rope.py's forward hook on
 ``self_attention.layernorm_qkv``, which this layer's projection returns as ``(qkv, residual)``).
@@ -59,11 +60,18 @@ class _SwiGLU(torch.autograd.Function):
 
 
 class RMSNormQKV(LayerNormLinear):
-    """``layernorm_qkv``: RMSNorm, then the fused QKV projection. Returns ``(qkv, residual)``: ``residual`` is the
-    input, handed back through the norm so that its gradient joins the norm's in one backward kernel."""
+    """``layernorm_qkv``: RMSNorm, then the fused QKV projection. Returns ``(qkv, residual)``.
 
-    def forward(self, x: torch.Tensor):
-        normed, residual = rms_norm_keep_input(x, self.layer_norm_weight, self.eps)
+    ``residual`` is what the layer's residual path adds to attention's output: the input itself, handed back through
+    the norm so that its gradient joins the norm's in one backward kernel, or, given ``pending`` (the previous layer's
+    last residual, not yet added), the sum ``x + pending``, formed by the norm's kernel.
+    """
+
+    def forward(self, x: torch.Tensor, pending: torch.Tensor | None = None):
+        if pending is None:
+            normed, residual = rms_norm_keep_input(x, self.layer_norm_weight, self.eps)
+        else:
+            normed, residual = add_rms_norm(x, pending, self.layer_norm_weight, self.eps)
         return F.linear(normed, self.weight), residual
 
 
@@ -179,8 +187,17 @@ class FusedResidualTransformerLayer(nn.Module):
         max_seqlen_kv: int | None = None,
         cu_seqlens_q_padded: torch.Tensor | None = None,
         cu_seqlens_kv_padded: torch.Tensor | None = None,
+        pending_residual: torch.Tensor | None = None,
+        defer_residual: bool = False,
         **unused,
-    ) -> torch.Tensor:
+    ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
+        """TE's layer's forward, plus a way to leave the last residual add to the next layer's first norm kernel.
+
+        The layer's output is ``mlp_out + h`` (``h`` = the input plus attention's output). With ``defer_residual``
+        it returns ``(mlp_out, h)`` unsummed, and the next layer, called with ``hidden_states=mlp_out,
+        pending_residual=h``, adds them inside its first norm (one pass over [tokens, hidden] less per layer). Whoever
+        receives the pair from the last layer adds it.
+        """
         if rotary_pos_emb is not None:
             raise ValueError(
                 "FusedResidualTransformerLayer applies no rotary table itself: rotate inside the QKV projection "
@@ -191,9 +208,11 @@ class FusedResidualTransformerLayer(nn.Module):
                 "FusedResidualTransformerLayer takes packed (THD) input: pass cu_seqlens_q and max_seqlen_q"
             )
         if torch.is_autocast_enabled(hidden_states.device.type):  # as TE's layer: activations in the autocast dtype
-            hidden_states = hidden_states.to(torch.get_autocast_dtype(hidden_states.device.type))
+            dtype = torch.get_autocast_dtype(hidden_states.device.type)
+            hidden_states = hidden_states.to(dtype)
+            pending_residual = pending_residual.to(dtype) if pending_residual is not None else None
         attention = self.self_attention
-        qkv, residual = attention.layernorm_qkv(hidden_states)
+        qkv, residual = attention.layernorm_qkv(hidden_states, pending_residual)
         tokens = qkv.shape[0]
         query, key, value = SplitPackedQKV.apply(qkv.view(tokens, attention.num_heads, 3, attention.head_dim), -2)
         context = attention.core_attention(
@@ -210,4 +229,4 @@ class FusedResidualTransformerLayer(nn.Module):
             max_seqlen_kv=max_seqlen_kv if max_seqlen_kv is not None else max_seqlen_q,
         )
         mlp_out, total = self.layernorm_mlp(attention.proj(context), residual)
-        return total + mlp_out
+        return (mlp_out, total) if defer_residual else total + mlp_out

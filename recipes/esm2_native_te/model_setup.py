@@ -126,9 +126,16 @@ def build_model(
     )
     check_quantization_supported(plan, device)  # FP8/FP4 on a machine that cannot run it fails here
     try:
-        resolve_backend(config.backend)  # backend=te on a machine without TE or a GPU fails here, in one line
+        # backend=te on a machine without TE or a GPU fails here, in one line
+        backend = resolve_backend(config.backend)
     except RuntimeError as error:
         raise UnsupportedHardwareError(f"{error} (+model_config_overrides.backend=torch)") from None
+    splits_attention = meshes is not None and meshes.cp is not None
+    if backend == "te" and getattr(config, "fused_residual_norm", False) and splits_attention:
+        raise ConfigError(
+            "model_config_overrides.fused_residual_norm=true builds layers without context parallelism: set it to "
+            "false for train_cp.py with cp_size > 1"
+        )
     if strategy == "mfsdp":
         if config.recompute_layers:
             # Megatron-FSDP gathers and frees weights in its own module hooks; whether they hold while a layer is

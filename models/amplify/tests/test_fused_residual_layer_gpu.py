@@ -9,6 +9,7 @@ from model_contract import pack
 
 from amplify_te.fused_residual_layer import FusedResidualTransformerLayer
 from amplify_te.modeling_amplify_te import NVAmplifyForMaskedLM
+from amplify_te.packed_rope import PackedQKVRotary
 
 
 pytestmark = [pytest.mark.requires_gpu, pytest.mark.requires_te]
@@ -54,6 +55,55 @@ def test_fused_residual_layers_equal_te_layers(precision, input_format, recomput
         expected = plain_params[name].grad
         assert param.grad is not None and expected is not None, name
         assert relative_error(param.grad, expected) < grad_tolerance, (name, relative_error(param.grad, expected))
+
+
+def test_deferred_residual_chain_gives_the_summed_layers_numbers():
+    """Two layers chained with ``defer_residual`` (the second adds the first's last residual inside its first norm)
+    give what the layers give one after the other, forward and backward; the hidden states a model reports are the
+    summed layer inputs."""
+    torch.manual_seed(0)
+    layers = [FusedResidualTransformerLayer(960, 1280, 15, layer_number=i + 1, device="cuda") for i in range(2)]
+    rotary = PackedQKVRotary.for_layers(layers, 15, 64)
+    lengths = torch.tensor([200, 130, 77], dtype=torch.int32)
+    cu_seqlens = torch.nn.functional.pad(lengths.cumsum(0), (1, 0)).to(torch.int32).cuda()
+    boundaries = {"cu_seqlens_q": cu_seqlens, "cu_seqlens_kv": cu_seqlens, "max_seqlen_q": 200, "max_seqlen_kv": 200}
+    positions = torch.cat([torch.arange(int(n)) for n in lengths]).cuda()
+    freqs = torch.randn(200, 1, 1, 64, device="cuda")
+    x = torch.randn(int(lengths.sum()), 960, device="cuda")
+    grad = torch.randn_like(x)
+    results = []
+    for deferred in (False, True):
+        rotary.set_batch(positions, freqs)
+        leaf = x.clone().requires_grad_(True)
+        if deferred:
+            mlp_out, residual = layers[0](leaf, **boundaries, defer_residual=True)
+            assert mlp_out.shape == residual.shape == x.shape
+            out = layers[1](mlp_out, **boundaries, pending_residual=residual)
+        else:
+            out = layers[1](layers[0](leaf, **boundaries), **boundaries)
+        out.backward(grad)
+        grads = [p.grad.clone() for layer in layers for p in layer.parameters()]
+        for layer in layers:
+            layer.zero_grad()
+        results.append((out.detach(), leaf.grad, grads))
+    (out_a, dx_a, grads_a), (out_b, dx_b, grads_b) = results
+    torch.testing.assert_close(out_b, out_a, rtol=1e-6, atol=1e-6)
+    torch.testing.assert_close(dx_b, dx_a, rtol=1e-5, atol=1e-6)
+    for grad_a, grad_b in zip(grads_a, grads_b, strict=True):
+        torch.testing.assert_close(grad_b, grad_a, rtol=1e-5, atol=1e-6)
+
+
+def test_fused_model_reports_the_hidden_states_of_te_layers():
+    reference = reference_model(SHAPE)
+    fused = reference_to_nv(reference, backend="te", fused_residual_norm=True).cuda().eval()
+    plain = reference_to_nv(reference, backend="te", fused_qkv_rope=True).cuda().eval()
+    batch = {k: v.cuda() for k, v in make_batch([200, 130, 77]).items()}
+    with torch.no_grad():
+        states_fused = fused(**batch, output_hidden_states=True).hidden_states
+        states_plain = plain(**batch, output_hidden_states=True).hidden_states
+    assert len(states_fused) == len(states_plain) == SHAPE["num_hidden_layers"] + 1
+    for index, (actual, expected) in enumerate(zip(states_fused, states_plain, strict=True)):
+        assert relative_error(actual, expected) < 1e-3, (index, relative_error(actual, expected))
 
 
 def test_fused_residual_layers_train_from_a_meta_device_init():

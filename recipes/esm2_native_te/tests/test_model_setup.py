@@ -149,6 +149,20 @@ def test_unknown_strategy_fails():
         build_model(bf16_cfg(), torch.device("cpu"), None, strategy="zero3")
 
 
+def test_fused_residual_norm_is_refused_with_context_parallelism(monkeypatch):
+    """AMPLIFY's fused_residual_norm layers (TE backend) cannot split attention over a CP group: one ConfigError
+    naming the setting, before any model is built (not the layer's traceback from inside the model)."""
+    with initialize_config_dir(config_dir=str(CONFIG_DIR), version_base="1.3"):
+        cfg = compose(
+            config_name="L0_sanity_amplify",
+            overrides=["output_dir=unused", "+model_config_overrides.fused_residual_norm=true"],
+        )
+    monkeypatch.setattr(model_setup, "resolve_backend", lambda requested: "te")  # as on a GPU with TE
+    with_cp = distributed.Meshes(fsdp=None, dp=None, cp=object())
+    with pytest.raises(ConfigError, match="fused_residual_norm=true builds layers without context parallelism"):
+        build_model(cfg, torch.device("cpu"), with_cp, strategy="fsdp2")
+
+
 def test_activation_recompute_is_refused_with_megatron_fsdp():
     """Not yet tested with Megatron-FSDP's hooks: a clear error before anything is built (CPU: before its import)."""
     cfg = bf16_cfg("+model_config_overrides.recompute_layers=1")
