@@ -1,25 +1,34 @@
 # Copied from common/fused_residual_layer.py — edit the source, then run ci/check_copies.py --fix
-"""A pre-norm RMSNorm + SwiGLU encoder layer for packed (THD) input whose residual adds live in the norm kernels.
+"""A pre-norm encoder layer for packed (THD) input whose residual adds live in the norm kernels.
 
-``FusedResidualTransformerLayer`` computes what ``te.TransformerLayer(normalization="RMSNorm", activation="swiglu",
-bias=False, attn_input_format="thd", qkv_weight_interleaved=True)`` computes (AMPLIFY's layer), with the same
+``FusedResidualTransformerLayer`` computes what ``te.TransformerLayer(attn_input_format="thd",
+qkv_weight_interleaved=True, ...)`` computes for the two pre-norm layers this project trains with it, with the same
 parameter names and state-dict keys, so that a model can switch between the two and checkpoints load either way:
 
-    self_attention.layernorm_qkv.{layer_norm_weight, weight}, self_attention.proj.weight,
-    layernorm_mlp.{layer_norm_weight, fc1_weight, fc2_weight}  (and TE's ``_extra_state`` keys)
+* AMPLIFY's: ``normalization="RMSNorm", activation="swiglu", bias=False``;
+* ESM-2's: ``normalization="LayerNorm", activation="gelu", bias=True`` (GELU as TE's, tanh-approximated).
 
-What differs is how the work is split into kernels (residual_rmsnorm.py): TE's layer spends a separate elementwise
+    self_attention.layernorm_qkv.{layer_norm_weight, layer_norm_bias, weight, bias}, self_attention.proj.{weight,
+    bias}, layernorm_mlp.{layer_norm_weight, layer_norm_bias, fc1_weight, fc1_bias, fc2_weight, fc2_bias}
+    (the biases where the layer has them, and TE's ``_extra_state`` keys)
+
+What differs is how the work is split into kernels (residual_norm.py): TE's layer spends a separate elementwise
 kernel on each residual add in the forward and on each sum of two gradients in the backward (four per layer, each a
-full pass over [tokens, hidden]). Here the attention's residual add is done by the FFN norm's kernel (which writes the
-sum and its normalised form in one pass) and both backward sums by the norms' backward kernels; the layer's last add
-is left to the next layer's first norm kernel when the caller chains layers with ``defer_residual`` (see
-``forward``), else it is a separate kernel. The GEMMs are torch's (cuBLAS, as TE's are in bf16),
-attention is TE's fused attention on query/key/value views of the QKV projection (te_attention.py), and SwiGLU is
-TE's kernel. Rotary embeddings must be applied inside the QKV projection (packed_rope.py's forward hook on
-``self_attention.layernorm_qkv``, which this layer's projection returns as ``(qkv, residual)``).
+full pass over [tokens, hidden]; with biases, the forward adds are TE's compiled bias-dropout-add). Here the
+attention's residual add is done by the FFN norm's kernel (which writes the sum and its normalised form in one pass)
+and both backward sums by the norms' backward kernels; the layer's last add is left to the next layer's first norm
+kernel when the caller chains layers with ``defer_residual`` (see ``forward``), else it is a separate kernel. The
+GEMMs are cuBLAS's, as TE's are in bf16: without biases torch's; with biases TE's ``general_gemm``, so that each bias
+is added by its GEMM's epilogue and its gradient summed by the weight-gradient GEMM's epilogue (as ``te.Linear``
+does; torch's ``F.linear`` would spend a reduction kernel on every bias gradient). GELU runs in the fc1 GEMM's
+epilogue and its derivative in the fc2 data-gradient GEMM's (as ``te.LayerNormMLP`` does with
+``bias_gelu_nvfusion`` off); SwiGLU is TE's kernel. Attention is TE's fused attention on query/key/value views of
+the QKV projection (te_attention.py). Rotary embeddings must be applied inside the QKV projection (packed_rope.py's
+forward hook on ``self_attention.layernorm_qkv``, which this layer's projection returns as ``(qkv, residual)``).
 
-Only bf16/fp32 compute: no FP8 or FP4 (those need TE's modules), no dropout, no context parallelism. The model that
-offers this layer (AMPLIFY's ``fused_residual_norm``) refuses those combinations before building it.
+Only bf16/fp32 compute: no FP8 or FP4 (those need TE's modules), no dropout, no context parallelism. The models that
+offer this layer (``fused_residual_norm`` in AMPLIFY's and ESM-2's configs) refuse those combinations before building
+it.
 """
 
 from collections.abc import Callable
@@ -29,20 +38,33 @@ import torch.nn.functional as F
 from torch import nn
 
 
-try:  # package import (models/amplify, exported checkpoints)
-    from .residual_rmsnorm import add_rms_norm, rms_norm_keep_input
+try:  # package import (models/*, exported checkpoints)
+    from .residual_norm import add_layer_norm, add_rms_norm, layer_norm_keep_input, rms_norm_keep_input
     from .te_attention import SplitPackedQKV
     from .torch_layers import LayerNormLinear, LayerNormMLP, Linear
 except ImportError:  # flat copy inside a recipe folder
-    from residual_rmsnorm import add_rms_norm, rms_norm_keep_input
+    from residual_norm import add_layer_norm, add_rms_norm, layer_norm_keep_input, rms_norm_keep_input
     from te_attention import SplitPackedQKV
     from torch_layers import LayerNormLinear, LayerNormMLP, Linear
 
 try:
     import transformer_engine.pytorch as te
     import transformer_engine_torch as tex
+    from transformer_engine.pytorch.cpp_extensions import general_gemm
 except Exception:  # ImportError, or a broken CUDA install raising at import; the layer refuses to build then
-    te = tex = None
+    te = tex = general_gemm = None
+
+NORMALIZATIONS = ("RMSNorm", "LayerNorm")
+ACTIVATIONS = ("swiglu", "gelu")
+
+
+def _rows(tensor: torch.Tensor) -> torch.Tensor:
+    return tensor.reshape(-1, tensor.shape[-1])
+
+
+def _cast(tensor: torch.Tensor | None, dtype: torch.dtype) -> torch.Tensor | None:
+    """A parameter in the compute dtype (a differentiable cast: fp32 master weights get their gradient in fp32)."""
+    return None if tensor is None else tensor.to(dtype)
 
 
 class _SwiGLU(torch.autograd.Function):
@@ -59,8 +81,81 @@ class _SwiGLU(torch.autograd.Function):
         return tex.dswiglu(grad.contiguous(), x, None)
 
 
-class RMSNormQKV(LayerNormLinear):
-    """``layernorm_qkv``: RMSNorm, then the fused QKV projection. Returns ``(qkv, residual)``.
+class _LinearWithBias(torch.autograd.Function):
+    """``x @ weight.T + bias`` with the bias in the GEMM's epilogue and its gradient in the weight-gradient GEMM's
+    (``general_gemm``'s layouts: "TN" forward, "NN" data gradient, "NT" weight gradient, as ``te.Linear``)."""
+
+    @staticmethod
+    def forward(ctx, x, weight, bias):
+        rows = _rows(x)
+        out, *_ = general_gemm(weight, rows, out_dtype=x.dtype, bias=bias)
+        ctx.save_for_backward(rows, weight, bias)  # the bias only sets the shape and dtype of its gradient
+        ctx.input_shape = x.shape
+        return out.view(*x.shape[:-1], out.shape[-1])
+
+    @staticmethod
+    def backward(ctx, grad):
+        rows, weight, bias = ctx.saved_tensors
+        grad = _rows(grad).contiguous()
+        dx, *_ = general_gemm(weight, grad, out_dtype=rows.dtype, layout="NN", grad=True)
+        dw, db, *_ = general_gemm(rows, grad, out_dtype=weight.dtype, layout="NT", bias=bias, grad=True)
+        return dx.view(ctx.input_shape), dw, db
+
+
+class _GeluMLP(torch.autograd.Function):
+    """``fc2(gelu(fc1(x)))`` in two GEMMs: fc1's bias and GELU (tanh) in fc1's epilogue, which also writes the
+    pre-activation for the backward; fc2's bias in fc2's. Backward: dGELU in fc2's data-gradient epilogue, both bias
+    gradients in the weight-gradient epilogues (what ``te.LayerNormMLP`` runs in bf16 with ``bias_gelu_nvfusion``
+    off). The biases may be None."""
+
+    @staticmethod
+    def forward(ctx, x, fc1_weight, fc1_bias, fc2_weight, fc2_bias):
+        rows = _rows(x)
+        activated, _, pre_activation, _ = general_gemm(fc1_weight, rows, out_dtype=x.dtype, bias=fc1_bias, gelu=True)
+        out, *_ = general_gemm(fc2_weight, activated, out_dtype=x.dtype, bias=fc2_bias)
+        ctx.save_for_backward(rows, fc1_weight, fc1_bias, pre_activation, activated, fc2_weight, fc2_bias)
+        ctx.input_shape = x.shape
+        return out.view(x.shape)
+
+    @staticmethod
+    def backward(ctx, grad):
+        rows, fc1_weight, fc1_bias, pre_activation, activated, fc2_weight, fc2_bias = ctx.saved_tensors
+        grad = _rows(grad).contiguous()
+        d_pre_activation, *_ = general_gemm(
+            fc2_weight, grad, out_dtype=rows.dtype, layout="NN", grad=True, gelu=True, gelu_in=pre_activation
+        )
+        fc2_dw, fc2_db, *_ = general_gemm(
+            activated, grad, out_dtype=fc2_weight.dtype, layout="NT", bias=fc2_bias, grad=True
+        )
+        dx, *_ = general_gemm(fc1_weight, d_pre_activation, out_dtype=rows.dtype, layout="NN", grad=True)
+        fc1_dw, fc1_db, *_ = general_gemm(
+            rows, d_pre_activation, out_dtype=fc1_weight.dtype, layout="NT", bias=fc1_bias, grad=True
+        )
+        return dx.view(ctx.input_shape), fc1_dw, fc1_db, fc2_dw, fc2_db
+
+
+def _linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+    if bias is None:
+        return F.linear(x, weight)
+    return _LinearWithBias.apply(x, _cast(weight, x.dtype), _cast(bias, x.dtype))
+
+
+def _norm_keep_input(norm, x: torch.Tensor):
+    """``(norm(x), x)`` for a module with TE's norm parameters (``layer_norm_bias`` is None for RMSNorm)."""
+    if norm.layer_norm_bias is None:
+        return rms_norm_keep_input(x, norm.layer_norm_weight, norm.eps)
+    return layer_norm_keep_input(x, norm.layer_norm_weight, norm.layer_norm_bias, norm.eps)
+
+
+def _add_norm(norm, a: torch.Tensor, residual: torch.Tensor):
+    """``(norm(a + residual), a + residual)``."""
+    if norm.layer_norm_bias is None:
+        return add_rms_norm(a, residual, norm.layer_norm_weight, norm.eps)
+    return add_layer_norm(a, residual, norm.layer_norm_weight, norm.layer_norm_bias, norm.eps)
+
+
+class NormQKV(LayerNormLinear):
+    """``layernorm_qkv``: the norm, then the fused QKV projection. Returns ``(qkv, residual)``.
 
     ``residual`` is what the layer's residual path adds to attention's output: the input itself, handed back through
     the norm so that its gradient joins the norm's in one backward kernel, or, given ``pending`` (the previous layer's
@@ -68,20 +163,29 @@ class RMSNormQKV(LayerNormLinear):
     """
 
     def forward(self, x: torch.Tensor, pending: torch.Tensor | None = None):
-        if pending is None:
-            normed, residual = rms_norm_keep_input(x, self.layer_norm_weight, self.eps)
-        else:
-            normed, residual = add_rms_norm(x, pending, self.layer_norm_weight, self.eps)
-        return F.linear(normed, self.weight), residual
+        normed, residual = _norm_keep_input(self, x) if pending is None else _add_norm(self, x, pending)
+        return _linear(normed, self.weight, self.bias), residual
 
 
-class AddRMSNormMLP(LayerNormMLP):
-    """``layernorm_mlp``: ``h = attention_out + residual``, RMSNorm, fc1, SwiGLU, fc2. Returns ``(mlp_out, h)``."""
+class EpilogueLinear(Linear):
+    """``proj``: ``te.Linear``'s parameters; a bias is added (and its gradient summed) by the GEMM epilogues."""
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return _linear(x, self.weight, self.bias)
+
+
+class AddNormMLP(LayerNormMLP):
+    """``layernorm_mlp``: ``h = attention_out + residual``, the norm, fc1, the activation, fc2. Returns
+    ``(mlp_out, h)``."""
 
     def forward(self, attention_out: torch.Tensor, residual: torch.Tensor):
-        normed, total = add_rms_norm(attention_out, residual, self.layer_norm_weight, self.eps)
-        hidden = _SwiGLU.apply(F.linear(normed, self.fc1_weight))
-        return F.linear(hidden, self.fc2_weight), total
+        normed, total = _add_norm(self, attention_out, residual)
+        if self.activation == "gelu":
+            dtype = normed.dtype
+            weights = (self.fc1_weight, self.fc1_bias, self.fc2_weight, self.fc2_bias)
+            return _GeluMLP.apply(normed, *(_cast(w, dtype) for w in weights)), total
+        hidden = _SwiGLU.apply(_linear(normed, self.fc1_weight, self.fc1_bias))
+        return _linear(hidden, self.fc2_weight, self.fc2_bias), total
 
 
 class _SelfAttention(nn.Module):
@@ -91,9 +195,7 @@ class _SelfAttention(nn.Module):
         super().__init__()
         self.num_heads, self.head_dim = num_heads, head_dim
         qkv_size = 3 * num_heads * head_dim
-        self.layernorm_qkv = RMSNormQKV(
-            hidden_size, qkv_size, eps=eps, normalization="RMSNorm", init_method=init_method, **kw
-        )
+        self.layernorm_qkv = NormQKV(hidden_size, qkv_size, eps=eps, init_method=init_method, **kw)
         self.core_attention = te.DotProductAttention(
             num_heads,
             head_dim,
@@ -102,12 +204,12 @@ class _SelfAttention(nn.Module):
             attn_mask_type="padding",
             layer_number=layer_number,
         )
-        self.proj = Linear(num_heads * head_dim, hidden_size, init_method=output_layer_init_method, **kw)
+        self.proj = EpilogueLinear(num_heads * head_dim, hidden_size, init_method=output_layer_init_method, **kw)
 
 
 class FusedResidualTransformerLayer(nn.Module):
     """See the module docstring. Takes ``te.TransformerLayer``'s constructor and forward arguments (those that
-    AMPLIFY's layer uses) and refuses settings it does not implement."""
+    AMPLIFY's and ESM-2's layers use) and refuses settings it does not implement."""
 
     def __init__(
         self,
@@ -133,24 +235,25 @@ class FusedResidualTransformerLayer(nn.Module):
     ):
         super().__init__()
         if te is None:
-            raise RuntimeError("FusedResidualTransformerLayer needs TransformerEngine (its attention and SwiGLU)")
-        settings = {
-            "normalization": (normalization, "RMSNorm"),
-            "activation": (activation, "swiglu"),
-            "bias": (bias, False),
-            "qkv_weight_interleaved": (qkv_weight_interleaved, True),
-            "attn_input_format": (attn_input_format, "thd"),
-            "self_attn_mask_type": (self_attn_mask_type, "padding"),
-            "hidden_dropout": (hidden_dropout, 0.0),
-            "attention_dropout": (attention_dropout, 0.0),
+            raise RuntimeError("FusedResidualTransformerLayer needs TransformerEngine (attention, GEMMs, SwiGLU)")
+        allowed = {
+            "normalization": (normalization, NORMALIZATIONS),
+            "activation": (activation, ACTIVATIONS),
+            "qkv_weight_interleaved": (qkv_weight_interleaved, (True,)),
+            "attn_input_format": (attn_input_format, ("thd",)),
+            "self_attn_mask_type": (self_attn_mask_type, ("padding",)),
+            "hidden_dropout": (hidden_dropout, (0.0,)),
+            "attention_dropout": (attention_dropout, (0.0,)),
         }
         unsupported = [
-            f"{name}={value!r} (needs {needed!r})" for name, (value, needed) in settings.items() if value != needed
+            f"{name}={value!r} (needs {' or '.join(map(repr, choices))})"
+            for name, (value, choices) in allowed.items()
+            if value not in choices
         ]
         if unsupported:
             raise ValueError("FusedResidualTransformerLayer does not support " + ", ".join(unsupported))
         head_dim = kv_channels or hidden_size // num_attention_heads
-        kw = {"params_dtype": params_dtype, "device": device, "bias": False}
+        kw = {"params_dtype": params_dtype, "device": device, "bias": bias, "normalization": normalization}
         self.self_attention = _SelfAttention(
             hidden_size,
             num_attention_heads,
@@ -161,12 +264,11 @@ class FusedResidualTransformerLayer(nn.Module):
             layer_number,
             kw,
         )
-        self.layernorm_mlp = AddRMSNormMLP(
+        self.layernorm_mlp = AddNormMLP(
             hidden_size,
             ffn_hidden_size,
             eps=layernorm_epsilon,
-            normalization="RMSNorm",
-            activation="swiglu",
+            activation=activation,
             init_method=init_method,
             output_layer_init_method=output_layer_init_method,
             **kw,

@@ -1,6 +1,6 @@
 """AMPLIFY with ``fused_residual_norm=True`` (fused_residual_layer.py: residual adds inside Triton RMSNorm kernels)
 gives the numbers of TE's ``TransformerLayer`` with the same weights, has the same state-dict keys, and trains with
-recompute and from a meta-device init. The kernels are tested on CPU in test_residual_rmsnorm.py."""
+recompute and from a meta-device init. The kernels are tested on CPU in test_residual_norm.py."""
 
 import pytest
 import torch
@@ -132,5 +132,5 @@ def test_fused_residual_layers_train_from_a_meta_device_init():
 def test_fused_residual_layer_refuses_what_it_does_not_implement():
     with pytest.raises(ValueError, match="does not support attention_dropout=0.1"):
         FusedResidualTransformerLayer(960, 1280, 15, attention_dropout=0.1, device="cuda")
-    with pytest.raises(ValueError, match="normalization='LayerNorm'"):
-        FusedResidualTransformerLayer(960, 1280, 15, normalization="LayerNorm", device="cuda")
+    with pytest.raises(ValueError, match=r"activation='relu' \(needs 'swiglu' or 'gelu'\)"):
+        FusedResidualTransformerLayer(960, 1280, 15, activation="relu", device="cuda")

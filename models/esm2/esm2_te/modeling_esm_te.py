@@ -30,6 +30,7 @@ from transformers.modeling_outputs import BaseModelOutput, MaskedLMOutput, Token
 
 try:  # package import (models/esm2, exported checkpoints)
     from .activation_recompute import call_layer, recomputes, refuse_delayed_scaling, validate_recompute_layers
+    from .fused_residual_layer import FusedResidualTransformerLayer
     from .layer_autocast import LayerAutocast
     from .meta_init import materialize_meta_model
     from .packed_rope import PackedQKVRotary
@@ -38,6 +39,7 @@ try:  # package import (models/esm2, exported checkpoints)
     from .torch_layers import TransformerLayer as TorchTransformerLayer
 except ImportError:  # flat copy inside a recipe folder
     from activation_recompute import call_layer, recomputes, refuse_delayed_scaling, validate_recompute_layers
+    from fused_residual_layer import FusedResidualTransformerLayer
     from layer_autocast import LayerAutocast
     from meta_init import materialize_meta_model
     from packed_rope import PackedQKVRotary
@@ -96,6 +98,11 @@ class NVEsmConfig(EsmConfig):
     # TE backend: rotate queries and keys right after the fused QKV projection (packed_rope.py: one Triton kernel,
     # attention gets one packed QKV tensor) instead of TE's RoPE. Same numbers; off under context parallelism.
     fused_qkv_rope: bool = True
+    # TE backend: build the layers as FusedResidualTransformerLayer (fused_residual_layer.py): the same parameters and
+    # numbers as TE's layer, with the residual adds done inside Triton LayerNorm kernels (three fewer passes over the
+    # activations per layer, and no bias-add kernels: the biases are added by the GEMMs). Always rotates inside the
+    # QKV projection. bf16/fp32 only: no FP8/FP4 layers, no dropout, no context parallelism. docs/benchmarks.md.
+    fused_residual_norm: bool = False
 
     def __post_init__(self, **kwargs):
         super().__post_init__(**kwargs)
@@ -135,6 +142,16 @@ class NVEsmConfig(EsmConfig):
             if bad:
                 problems.append(f"layer_precision entries must be None, 'fp8' or 'fp4', got {bad}")
         problems += validate_recompute_layers(self.recompute_layers, self.num_hidden_layers)
+        if self.fused_residual_norm:
+            if any(p is not None for p in self.layer_precision or []):
+                problems.append(
+                    "fused_residual_norm layers compute in bf16/fp32 only: layer_precision must be all None"
+                )
+            if self.hidden_dropout_prob or self.attention_probs_dropout_prob:
+                problems.append(
+                    "fused_residual_norm layers have no dropout: hidden_dropout_prob and attention_probs_dropout_prob "
+                    "must be 0"
+                )
         if problems:
             raise ValueError("Invalid NVEsmConfig: " + "; ".join(problems))
 
@@ -228,7 +245,9 @@ class NVEsmEncoder(nn.Module):
     def __init__(self, config: NVEsmConfig, backend: str):
         super().__init__()
         self.backend = backend
-        layer_class = te.TransformerLayer if backend == "te" else TorchTransformerLayer
+        layer_class = TorchTransformerLayer
+        if backend == "te":
+            layer_class = FusedResidualTransformerLayer if config.fused_residual_norm else te.TransformerLayer
         head_dim = config.hidden_size // config.num_attention_heads
         std = config.initializer_range
 
@@ -265,10 +284,16 @@ class NVEsmEncoder(nn.Module):
         )
         self.qkv_rotary = None  # TE backend: rotary embeddings applied inside the QKV projections (packed_rope.py)
         if backend == "te":
-            use_gemm_epilogue_gelu(self.layers)
             self.qkv_rotary = PackedQKVRotary.for_layers(self.layers, config.num_attention_heads, head_dim)
-            if self.qkv_rotary is not None:  # attention reads q/k/v as views of the rotated buffer
-                split_packed_qkv(self.layers)
+            if config.fused_residual_norm and self.qkv_rotary is None:
+                raise ValueError(
+                    "fused_residual_norm rotates queries and keys inside the QKV projection, which needs Triton and "
+                    f"half a head ({head_dim // 2}) to be a power of two"
+                )
+            if not config.fused_residual_norm:  # (the fused layers run GELU in the GEMMs and split q/k/v themselves)
+                use_gemm_epilogue_gelu(self.layers)
+                if self.qkv_rotary is not None:  # attention reads q/k/v as views of the rotated buffer
+                    split_packed_qkv(self.layers)
         self.emb_layer_norm_after = nn.LayerNorm(config.hidden_size, eps=config.layer_norm_eps)
         self.rotary_embeddings = NVEsmRotaryEmbedding(head_dim, config.rope_theta)
 
@@ -278,7 +303,10 @@ def _is_backend_layer(module: nn.Module) -> bool:
     origin = type(module).__module__
     return (
         hasattr(module, "reset_parameters")
-        and (origin.startswith("transformer_engine") or origin == TorchTransformerLayer.__module__)
+        and (
+            origin.startswith("transformer_engine")
+            or origin in (TorchTransformerLayer.__module__, FusedResidualTransformerLayer.__module__)
+        )
         and any(True for _ in module.parameters(recurse=False))
     )
 
@@ -287,7 +315,7 @@ class NVEsmPreTrainedModel(PreTrainedModel):
     config_class = NVEsmConfig
     config: NVEsmConfig
     base_model_prefix = "esm"
-    _no_split_modules = ["TransformerLayer"]
+    _no_split_modules = ["TransformerLayer", "FusedResidualTransformerLayer"]
     # gradient_checkpointing_enable() recomputes every layer's activations (see config.recompute_layers).
     supports_gradient_checkpointing = True
     # TE keeps FP8 scaling state in `_extra_state`; it is runtime bookkeeping, not part of a published model.
@@ -387,6 +415,14 @@ class NVEsmModel(NVEsmPreTrainedModel):
         qkv_rotary = self.encoder.qkv_rotary
         if qkv_rotary is None:
             return rotary
+        if self.config.fused_residual_norm:  # these layers always rotate in the projection
+            if packed.cu_seqlens_padded is not None or torch.compiler.is_compiling():
+                raise ValueError(
+                    "fused_residual_norm layers take packed sequences without per-sequence padding (no context "
+                    "parallelism) and do not run under torch.compile; set fused_residual_norm=False for those"
+                )
+            qkv_rotary.set_batch(packed.positions(), rotary)
+            return None
         in_projection = (
             self.config.fused_qkv_rope and packed.cu_seqlens_padded is None and not torch.compiler.is_compiling()
         )
@@ -400,14 +436,27 @@ class NVEsmModel(NVEsmPreTrainedModel):
             refuse_delayed_scaling(self)  # recompute can also be switched on after construction
         rotary = self._layer_rotary(packed, self.encoder.rotary_embeddings(packed.max_seqlen))
         all_hidden = []
+        # fused_residual_norm layers hand their last residual add to the next layer's first norm kernel: each returns
+        # (mlp_out, residual) unsummed, and the sum is formed here only after the last layer.
+        defer_residual = self.backend == "te" and self.config.fused_residual_norm
+        pending = None
         with self._layer_autocast() as regions:
             for index, layer in enumerate(self.encoder.layers):
                 if output_hidden_states:
-                    all_hidden.append(hidden)
+                    all_hidden.append(hidden if pending is None else hidden + pending)
                 regions.enter_layer(index)
-                hidden = call_layer(
-                    layer, recomputes(self, index), hidden, rotary_pos_emb=rotary, **packed.layer_boundaries()
+                deferred = {"pending_residual": pending, "defer_residual": True} if defer_residual else {}
+                output = call_layer(
+                    layer,
+                    recomputes(self, index),
+                    hidden,
+                    rotary_pos_emb=rotary,
+                    **packed.layer_boundaries(),
+                    **deferred,
                 )
+                hidden, pending = output if defer_residual else (output, None)
+        if pending is not None:
+            hidden = hidden + pending
         hidden = self.encoder.emb_layer_norm_after(hidden)
         if output_hidden_states:
             all_hidden.append(hidden)

@@ -149,12 +149,13 @@ def test_unknown_strategy_fails():
         build_model(bf16_cfg(), torch.device("cpu"), None, strategy="zero3")
 
 
-def test_fused_residual_norm_is_refused_with_context_parallelism(monkeypatch):
-    """AMPLIFY's fused_residual_norm layers (TE backend) cannot split attention over a CP group: one ConfigError
-    naming the setting, before any model is built (not the layer's traceback from inside the model)."""
+@pytest.mark.parametrize("config_name", ["L0_sanity", "L0_sanity_amplify"])
+def test_fused_residual_norm_is_refused_with_context_parallelism(monkeypatch, config_name):
+    """ESM-2's and AMPLIFY's fused_residual_norm layers (TE backend) cannot split attention over a CP group: one
+    ConfigError naming the setting, before any model is built (not the layer's traceback from inside the model)."""
     with initialize_config_dir(config_dir=str(CONFIG_DIR), version_base="1.3"):
         cfg = compose(
-            config_name="L0_sanity_amplify",
+            config_name=config_name,
             overrides=["output_dir=unused", "+model_config_overrides.fused_residual_norm=true"],
         )
     monkeypatch.setattr(model_setup, "resolve_backend", lambda requested: "te")  # as on a GPU with TE

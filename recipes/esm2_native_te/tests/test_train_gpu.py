@@ -45,6 +45,16 @@ def assert_learned(metrics: list[dict], threshold: float = LOSS_THRESHOLD, last_
         ("train_fsdp2.py", ["dataset.input_format=thd", "checkpoint.async_save=true", "use_torch_compile=true"]),
         # bf16 weights: CompensatedAdamW's Triton kernel updates them.
         ("train_ddp.py", ["dataset.input_format=thd", "mixed_precision.fp32_master_weights=false"]),
+        # FusedResidualTransformerLayer (residual adds inside the LayerNorm kernels) in place of TE's layer
+        (
+            "train_ddp.py",
+            [
+                "dataset.input_format=thd",
+                "mixed_precision.fp32_master_weights=false",
+                "+model_config_overrides.fused_residual_norm=true",
+            ],
+        ),
+        ("train_fsdp2.py", ["dataset.input_format=bshd", "+model_config_overrides.fused_residual_norm=true"]),
     ],
 )
 def test_te_backend_learns_and_exports(tmp_path, script, overrides):
@@ -135,8 +145,15 @@ def test_mxfp8_and_nvfp4_layers_learn(tmp_path):
 
 @pytest.mark.requires_gpu
 @pytest.mark.skipif(importlib.util.find_spec("megatron_fsdp") is None, reason="megatron-fsdp is not installed")
-def test_megatron_fsdp_learns_and_exports(tmp_path):
-    metrics = train_on_gpu("train_mfsdp.py", tmp_path, "dataset.input_format=thd", nproc=1)
+@pytest.mark.parametrize("fused_residual_norm", [False, True])
+def test_megatron_fsdp_learns_and_exports(tmp_path, fused_residual_norm):
+    metrics = train_on_gpu(
+        "train_mfsdp.py",
+        tmp_path,
+        "dataset.input_format=thd",
+        f"+model_config_overrides.fused_residual_norm={str(fused_residual_norm).lower()}",
+        nproc=1,
+    )
     assert_learned(metrics)
     assert_export_reproduces_checkpoint(tmp_path, step=100)
 

@@ -1,22 +1,24 @@
-# Copied from common/residual_rmsnorm.py — edit the source, then run ci/check_copies.py --fix
-"""RMSNorm with the pre-norm residual connection folded into its kernels (Triton), forward and backward.
+# Copied from common/residual_norm.py — edit the source, then run ci/check_copies.py --fix
+"""RMSNorm and LayerNorm with the pre-norm residual connection folded into their kernels (Triton), both directions.
 
 A pre-norm transformer layer computes ``h = x + attention(norm_1(x))`` and ``out = h + mlp(norm_2(h))``. Built from
 TE's ``TransformerLayer``, every residual costs a separate elementwise kernel each way: the forward add ``x + a``
 (two reads, one write over [tokens, hidden]) and, in backward, the sum of the two gradients that reach ``x`` (through
 the norm and through the residual path). Here both live inside the norm kernels:
 
-* ``rms_norm_keep_input(x, weight, eps) -> (y, x)``: the norm, and ``x`` itself as a second output meant for the
-  residual path. Its backward receives both gradients and writes ``dx = norm_backward(dy) + d_residual`` in the same
-  pass over the rows that computes the norm's gradient.
-* ``add_rms_norm(a, residual, weight, eps) -> (y, h)``: ``h = a + residual`` (rounded to the activation dtype, as a
-  separate add would be) and ``y = rmsnorm(h)`` in one pass; the backward writes ``dh = norm_backward(dy) + d_h`` once
-  and returns it as the gradient of both ``a`` and ``residual``.
+* ``rms_norm_keep_input(x, weight, eps) -> (y, x)`` (``layer_norm_keep_input(x, weight, bias, eps)``): the norm, and
+  ``x`` itself as a second output meant for the residual path. Its backward receives both gradients and writes
+  ``dx = norm_backward(dy) + d_residual`` in the same pass over the rows that computes the norm's gradient.
+* ``add_rms_norm(a, residual, weight, eps) -> (y, h)`` (``add_layer_norm(a, residual, weight, bias, eps)``):
+  ``h = a + residual`` (rounded to the activation dtype, as a separate add would be) and ``y = norm(h)`` in one pass;
+  the backward writes ``dh = norm_backward(dy) + d_h`` once and returns it as the gradient of both ``a`` and
+  ``residual``.
 
-Arithmetic is float32 per row (``rstd = 1 / sqrt(mean(x^2) + eps)``, ``y = x * rstd * weight``), rounded once to the
-activation dtype, as TE's RMSNorm kernels do. The weight's gradient is summed per block of rows in float32 and then
-over the blocks. ``TRITON_INTERPRET=1`` runs the kernels on CPU tensors (tests); ``rms_norm_reference`` is the plain
-torch formula they are checked against.
+Arithmetic is float32 per row, rounded once to the activation dtype, as TE's norm kernels do: RMSNorm
+``y = x * rstd * weight`` with ``rstd = 1 / sqrt(mean(x^2) + eps)``; LayerNorm ``y = (x - mean) * rstd * weight + bias``
+with ``rstd = 1 / sqrt(mean((x - mean)^2) + eps)``. The weight's (and bias's) gradient is summed per block of rows in
+float32 and then over the blocks. ``TRITON_INTERPRET=1`` runs the kernels on CPU tensors (tests);
+``rms_norm_reference`` and ``layer_norm_reference`` are the plain torch formulas they are checked against.
 """
 
 import torch
@@ -47,7 +49,8 @@ def _kernels():
 
     Sums go through ``tl.reduce`` with a combine function decorated here, and zeros through ``tl.full``, rather than
     ``tl.sum`` and ``tl.zeros``: those were decorated when Triton was imported, and Triton's interpreter cannot call
-    them unless it was on at import time."""
+    them unless it was on at import time. ``CENTERED`` selects LayerNorm (subtract the row mean, add a bias), else
+    RMSNorm."""
     global _KERNELS, _add
     if _KERNELS is None:
 
@@ -56,24 +59,28 @@ def _kernels():
 
         _add = triton.jit(add)
 
-        def rms_norm_forward(
+        def norm_forward(
             x_ptr,
             add_ptr,
             sum_ptr,
             y_ptr,
             weight_ptr,
+            bias_ptr,
+            mean_ptr,
             rstd_ptr,
             num_rows,
             num_cols,
             eps,
             HAS_ADD: tl.constexpr,
+            CENTERED: tl.constexpr,
             ROWS: tl.constexpr,
             BLOCK: tl.constexpr,
         ):
             rows = tl.program_id(0) * ROWS + tl.arange(0, ROWS)
             cols = tl.arange(0, BLOCK)
             row_mask = rows < num_rows
-            mask = row_mask[:, None] & (cols < num_cols)[None, :]
+            col_mask = cols < num_cols
+            mask = row_mask[:, None] & col_mask[None, :]
             offsets = rows.to(tl.int64)[:, None] * num_cols + cols[None, :]
             x = tl.load(x_ptr + offsets, mask=mask, other=0.0).to(tl.float32)
             if HAS_ADD:
@@ -82,23 +89,32 @@ def _kernels():
                 )
                 tl.store(sum_ptr + offsets, total, mask=mask)
                 x = total.to(tl.float32)  # normalise the rounded sum, which is what the next layer reads
+            if CENTERED:
+                mean = tl.reduce(x, 1, _add) / num_cols
+                tl.store(mean_ptr + rows, mean, mask=row_mask)
+                x = tl.where(mask, x - mean[:, None], 0.0)  # the padding columns stay out of the variance
             rstd = 1.0 / tl.sqrt(tl.reduce(x * x, 1, _add) / num_cols + eps)
             tl.store(rstd_ptr + rows, rstd, mask=row_mask)
-            weight = tl.load(weight_ptr + cols, mask=cols < num_cols, other=0.0).to(tl.float32)
+            weight = tl.load(weight_ptr + cols, mask=col_mask, other=0.0).to(tl.float32)
             y = x * rstd[:, None] * weight[None, :]
+            if CENTERED:
+                y += tl.load(bias_ptr + cols, mask=col_mask, other=0.0).to(tl.float32)[None, :]
             tl.store(y_ptr + offsets, y.to(y_ptr.dtype.element_ty), mask=mask)
 
-        def rms_norm_backward(
+        def norm_backward(
             dy_ptr,
             x_ptr,
             weight_ptr,
+            mean_ptr,
             rstd_ptr,
             residual_grad_ptr,
             dx_ptr,
             weight_grad_ptr,
+            bias_grad_ptr,
             num_rows,
             num_cols,
             HAS_RESIDUAL_GRAD: tl.constexpr,
+            CENTERED: tl.constexpr,
             ROWS: tl.constexpr,
             CHUNKS: tl.constexpr,
             BLOCK: tl.constexpr,
@@ -108,6 +124,7 @@ def _kernels():
             col_mask = cols < num_cols
             weight = tl.load(weight_ptr + cols, mask=col_mask, other=0.0).to(tl.float32)
             weight_grad = tl.full([BLOCK], 0.0, dtype=tl.float32)
+            bias_grad = tl.full([BLOCK], 0.0, dtype=tl.float32)
             for chunk in range(CHUNKS):
                 rows = (program * CHUNKS + chunk) * ROWS + tl.arange(0, ROWS)
                 row_mask = rows < num_rows
@@ -116,17 +133,27 @@ def _kernels():
                 x = tl.load(x_ptr + offsets, mask=mask, other=0.0).to(tl.float32)
                 dy = tl.load(dy_ptr + offsets, mask=mask, other=0.0).to(tl.float32)
                 rstd = tl.load(rstd_ptr + rows, mask=row_mask, other=0.0)
+                if CENTERED:
+                    mean = tl.load(mean_ptr + rows, mask=row_mask, other=0.0)
+                    x = tl.where(mask, x - mean[:, None], 0.0)
                 x_hat = x * rstd[:, None]
                 weighted_dy = dy * weight[None, :]
                 projection = tl.reduce(x_hat * weighted_dy, 1, _add) / num_cols
-                dx = (weighted_dy - x_hat * projection[:, None]) * rstd[:, None]
+                dx = weighted_dy - x_hat * projection[:, None]
+                if CENTERED:  # the mean's gradient: every input moved the mean by 1 / num_cols
+                    dx -= (tl.reduce(weighted_dy, 1, _add) / num_cols)[:, None]
+                dx *= rstd[:, None]
                 if HAS_RESIDUAL_GRAD:
                     dx += tl.load(residual_grad_ptr + offsets, mask=mask, other=0.0).to(tl.float32)
                 tl.store(dx_ptr + offsets, dx.to(dx_ptr.dtype.element_ty), mask=mask)
                 weight_grad += tl.reduce(dy * x_hat, 0, _add)
+                if CENTERED:
+                    bias_grad += tl.reduce(dy, 0, _add)
             tl.store(weight_grad_ptr + program * num_cols + cols, weight_grad, mask=col_mask)
+            if CENTERED:
+                tl.store(bias_grad_ptr + program * num_cols + cols, bias_grad, mask=col_mask)
 
-        _KERNELS = (triton.jit(rms_norm_forward), triton.jit(rms_norm_backward))
+        _KERNELS = (triton.jit(norm_forward), triton.jit(norm_backward))
     return _KERNELS
 
 
@@ -142,19 +169,28 @@ def _check(name: str, tensor: torch.Tensor, like: torch.Tensor) -> None:
         )
 
 
-def rms_norm_forward(x, weight, eps: float, add=None):
-    """(y, h, rstd): ``h = x + add`` (None without ``add``), ``y = rmsnorm(h or x)``, ``rstd`` per row (float32)."""
+def _check_affine(name: str, tensor: torch.Tensor, num_cols: int) -> None:
+    if tensor.shape != (num_cols,):
+        raise ValueError(f"{name} {tuple(tensor.shape)} must have one entry per feature ({num_cols})")
+
+
+def norm_forward(x, weight, bias, eps: float, add=None):
+    """(y, h, mean, rstd): ``h = x + add`` (None without ``add``), ``y = norm(h or x)`` (LayerNorm with ``bias``,
+    RMSNorm without), and per row the mean (LayerNorm only, else None) and ``rstd`` (float32)."""
     x = x.contiguous()
-    if weight.shape != (x.shape[-1],):
-        raise ValueError(f"weight {tuple(weight.shape)} must have one entry per feature ({x.shape[-1]})")
+    num_cols = x.shape[-1]
+    _check_affine("weight", weight, num_cols)
+    if bias is not None:
+        _check_affine("bias", bias, num_cols)
     if add is not None:
         add = add.contiguous()
         _check("the residual", add, x)
     rows = _rows(x)
-    num_rows, num_cols = rows.shape
+    num_rows = rows.shape[0]
     y = torch.empty_like(x)
     total = torch.empty_like(x) if add is not None else None
     rstd = torch.empty(num_rows, dtype=torch.float32, device=x.device)
+    mean = torch.empty(num_rows, dtype=torch.float32, device=x.device) if bias is not None else None
     if num_rows:
         forward, _ = _kernels()
         forward[(triton.cdiv(num_rows, _ROWS),)](
@@ -163,99 +199,134 @@ def rms_norm_forward(x, weight, eps: float, add=None):
             total if total is not None else y,
             y,
             weight,
+            bias if bias is not None else weight,
+            mean if mean is not None else rstd,
             rstd,
             num_rows,
             num_cols,
             eps,
             HAS_ADD=add is not None,
+            CENTERED=bias is not None,
             ROWS=_ROWS,
             BLOCK=triton.next_power_of_2(num_cols),
         )
-    return y, total, rstd
+    return y, total, mean, rstd
 
 
-def rms_norm_backward(dy, x, weight, rstd, residual_grad=None):
-    """(dx, d_weight): the norm's input gradient, plus ``residual_grad`` where given, and the weight's gradient."""
+def norm_backward(dy, x, weight, mean, rstd, residual_grad=None):
+    """(dx, d_weight, d_bias): the norm's input gradient, plus ``residual_grad`` where given, and the weight's and
+    (LayerNorm: ``mean`` given) the bias's gradient (None for RMSNorm)."""
     x, dy = x.contiguous(), dy.contiguous()
     _check("the output gradient", dy, x)
     if residual_grad is not None:
         residual_grad = residual_grad.contiguous()
         _check("the residual gradient", residual_grad, x)
     num_rows, num_cols = _rows(x).shape
+    centered = mean is not None
     dx = torch.empty_like(x)
     programs = max(1, triton.cdiv(num_rows, _ROWS * _BACKWARD_CHUNKS))
     partial_weight_grads = torch.empty(programs, num_cols, dtype=torch.float32, device=x.device)
+    partial_bias_grads = torch.empty_like(partial_weight_grads) if centered else None
     if num_rows:
         _, backward = _kernels()
         backward[(programs,)](
             _rows(dy),
             _rows(x),
             weight,
+            mean if centered else rstd,
             rstd,
             _rows(residual_grad) if residual_grad is not None else _rows(dy),
             dx,
             partial_weight_grads,
+            partial_bias_grads if centered else partial_weight_grads,
             num_rows,
             num_cols,
             HAS_RESIDUAL_GRAD=residual_grad is not None,
+            CENTERED=centered,
             ROWS=_ROWS,
             CHUNKS=_BACKWARD_CHUNKS,
             BLOCK=triton.next_power_of_2(num_cols),
         )
     else:
         partial_weight_grads.zero_()
-    return dx, partial_weight_grads.sum(0).to(weight.dtype)
+        if centered:
+            partial_bias_grads.zero_()
+    weight_grad = partial_weight_grads.sum(0).to(weight.dtype)
+    bias_grad = partial_bias_grads.sum(0).to(weight.dtype) if centered else None
+    return dx, weight_grad, bias_grad
 
 
-class _RMSNormKeepInput(torch.autograd.Function):
+class _NormKeepInput(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, x, weight, eps: float):
+    def forward(ctx, x, weight, bias, eps: float):
         x = x.contiguous()  # what the kernels read and what is handed on as the residual
-        y, _, rstd = rms_norm_forward(x, weight, eps)
-        ctx.save_for_backward(x, weight, rstd)
+        y, _, mean, rstd = norm_forward(x, weight, bias, eps)
+        ctx.save_for_backward(x, weight, mean, rstd)
         # x is returned as is (autograd makes it a view of the input): the residual path's use of it sends its
         # gradient here, into the same kernel as the norm's. (A strided input was copied above; the copy goes on.)
         return y, x
 
     @staticmethod
     def backward(ctx, dy, residual_grad):
-        x, weight, rstd = ctx.saved_tensors
+        x, weight, mean, rstd = ctx.saved_tensors
         if dy is None:
             dy = torch.zeros_like(x)
-        dx, weight_grad = rms_norm_backward(dy, x, weight, rstd, residual_grad)
-        return dx, weight_grad, None
+        dx, weight_grad, bias_grad = norm_backward(dy, x, weight, mean, rstd, residual_grad)
+        return dx, weight_grad, bias_grad, None
 
 
-class _AddRMSNorm(torch.autograd.Function):
+class _AddNorm(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, a, residual, weight, eps: float):
-        y, total, rstd = rms_norm_forward(residual, weight, eps, add=a)
-        ctx.save_for_backward(total, weight, rstd)
+    def forward(ctx, a, residual, weight, bias, eps: float):
+        y, total, mean, rstd = norm_forward(residual, weight, bias, eps, add=a)
+        ctx.save_for_backward(total, weight, mean, rstd)
         return y, total
 
     @staticmethod
     def backward(ctx, dy, total_grad):
-        total, weight, rstd = ctx.saved_tensors
+        total, weight, mean, rstd = ctx.saved_tensors
         if dy is None:
             dy = torch.zeros_like(total)
-        d_total, weight_grad = rms_norm_backward(dy, total, weight, rstd, total_grad)
-        return d_total, d_total, weight_grad, None
+        d_total, weight_grad, bias_grad = norm_backward(dy, total, weight, mean, rstd, total_grad)
+        return d_total, d_total, weight_grad, bias_grad, None
 
 
 def rms_norm_keep_input(x: torch.Tensor, weight: torch.Tensor, eps: float) -> tuple[torch.Tensor, torch.Tensor]:
     """``(rmsnorm(x) * weight, x)``; use the second output for the residual path (see the module docstring)."""
-    return _RMSNormKeepInput.apply(x, weight, eps)
+    return _NormKeepInput.apply(x, weight, None, eps)
 
 
 def add_rms_norm(
     a: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor, eps: float
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """``(rmsnorm(h) * weight, h)`` with ``h = a + residual`` (see the module docstring)."""
-    return _AddRMSNorm.apply(a, residual, weight, eps)
+    return _AddNorm.apply(a, residual, weight, None, eps)
+
+
+def layer_norm_keep_input(
+    x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor, eps: float
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """``(layernorm(x) * weight + bias, x)``; use the second output for the residual path."""
+    return _NormKeepInput.apply(x, weight, bias, eps)
+
+
+def add_layer_norm(
+    a: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor, eps: float
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """``(layernorm(h) * weight + bias, h)`` with ``h = a + residual``."""
+    return _AddNorm.apply(a, residual, weight, bias, eps)
 
 
 def rms_norm_reference(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
-    """The same norm in plain torch, float32 per row, rounded once to ``x``'s dtype (tests compare with it)."""
+    """The RMSNorm in plain torch, float32 per row, rounded once to ``x``'s dtype (tests compare with it)."""
     x32 = x.float()
     rstd = torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + eps)
     return (x32 * rstd * weight.float()).to(x.dtype)
+
+
+def layer_norm_reference(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor, eps: float) -> torch.Tensor:
+    """The LayerNorm in plain torch, float32 per row, rounded once to ``x``'s dtype (tests compare with it)."""
+    x32 = x.float()
+    centered = x32 - x32.mean(-1, keepdim=True)
+    rstd = torch.rsqrt(centered.pow(2).mean(-1, keepdim=True) + eps)
+    return (centered * rstd * weight.float() + bias.float()).to(x.dtype)

@@ -1,0 +1,176 @@
+"""residual_norm.py: RMSNorm and LayerNorm with the residual add (forward) and the residual gradient (backward) inside
+their Triton kernels. On CPU the kernels run in Triton's interpreter (TRITON_INTERPRET=1) against plain torch; the
+layers built on them are compared with TE's on a GPU (test_fused_residual_layer_gpu.py here for AMPLIFY's RMSNorm
+layer, models/esm2's for ESM-2's LayerNorm layer). One copy of the kernels serves both models (ci/check_copies.py)."""
+
+import pytest
+import torch
+
+from amplify_te import residual_norm
+from amplify_te.modeling_amplify_te import NVAmplifyConfig
+
+
+pytestmark = pytest.mark.skipif(not residual_norm.available(), reason="Triton is not installed")
+
+EPS = 1e-5
+# 150 rows: not a multiple of the kernels' row tiles (4) and more than one backward program (64 rows each), so the
+# row masks and the weight gradient's sum over programs both matter; 96 features: not a power of two (column mask).
+ROWS, FEATURES = 150, 96
+NORMS = ("RMSNorm", "LayerNorm")
+
+
+@pytest.fixture(autouse=True)
+def interpreted_kernels(monkeypatch):
+    """Build the kernels for Triton's CPU interpreter for this test (and forget them afterwards)."""
+    monkeypatch.setenv("TRITON_INTERPRET", "1")
+    monkeypatch.setattr(residual_norm, "_KERNELS", None)
+
+
+def inputs(norm, dtype=torch.float32, seed=0):
+    """x, a, weight, bias (None for RMSNorm). The inputs have a nonzero mean per row, so LayerNorm's centring
+    matters."""
+    generator = torch.Generator().manual_seed(seed)
+    x = (torch.randn(ROWS, FEATURES, generator=generator) + 0.7).to(dtype)
+    a = torch.randn(ROWS, FEATURES, generator=generator).to(dtype)
+    weight = 1 + 0.3 * torch.randn(FEATURES, generator=generator)
+    bias = 0.2 * torch.randn(FEATURES, generator=generator) if norm == "LayerNorm" else None
+    return x, a, weight, bias
+
+
+def reference_norm(x, weight, bias):
+    if bias is None:
+        return residual_norm.rms_norm_reference(x, weight, EPS)
+    return residual_norm.layer_norm_reference(x, weight, bias, EPS)
+
+
+def pre_norm_block(norm_keep_input, add_norm, x, a, weight, bias):
+    """What a pre-norm layer does with the two functions: y1 = norm(x); h = a' + x; y2 = norm(h); out = h + y2 * c,
+    where a' depends on y1 (as attention's output does), so every gradient path of the layer is exercised."""
+    y1, residual = norm_keep_input(x, weight, bias)
+    attention_out = a * y1
+    y2, h = add_norm(attention_out, residual, weight, bias)
+    return h + 0.5 * y2
+
+
+def reference_block(x, a, weight, bias):
+    def norm_keep_input(x, w, b):
+        return reference_norm(x, w, b), x
+
+    def add_norm(a, r, w, b):
+        h = a + r
+        return reference_norm(h, w, b), h
+
+    return pre_norm_block(norm_keep_input, add_norm, x, a, weight, bias)
+
+
+def kernel_block(x, a, weight, bias):
+    if bias is None:
+        return pre_norm_block(
+            lambda x, w, b: residual_norm.rms_norm_keep_input(x, w, EPS),
+            lambda a, r, w, b: residual_norm.add_rms_norm(a, r, w, EPS),
+            x,
+            a,
+            weight,
+            bias,
+        )
+    return pre_norm_block(
+        lambda x, w, b: residual_norm.layer_norm_keep_input(x, w, b, EPS),
+        lambda a, r, w, b: residual_norm.add_layer_norm(a, r, w, b, EPS),
+        x,
+        a,
+        weight,
+        bias,
+    )
+
+
+@pytest.mark.parametrize("norm", NORMS)
+def test_forward_writes_the_sum_and_its_norm(norm):
+    x, a, weight, bias = inputs(norm)
+    y, total, mean, rstd = residual_norm.norm_forward(x, weight, bias, EPS, add=a)
+    torch.testing.assert_close(total, x + a, rtol=0, atol=0)
+    torch.testing.assert_close(y, reference_norm(x + a, weight, bias), rtol=1e-6, atol=1e-6)
+    h = x + a
+    if norm == "LayerNorm":
+        torch.testing.assert_close(mean, h.mean(-1), rtol=1e-6, atol=1e-6)
+        h = h - h.mean(-1, keepdim=True)
+    else:
+        assert mean is None
+    torch.testing.assert_close(rstd, torch.rsqrt(h.pow(2).mean(-1) + EPS), rtol=1e-6, atol=0)
+    y_plain, no_total, _, _ = residual_norm.norm_forward(x, weight, bias, EPS)
+    assert no_total is None
+    torch.testing.assert_close(y_plain, reference_norm(x, weight, bias), rtol=1e-6, atol=1e-6)
+
+
+def test_references_are_the_norms_written_out():
+    x, _, weight, bias = inputs("LayerNorm")
+    row = x[7]
+    expected = row / torch.sqrt((row**2).sum() / FEATURES + EPS) * weight
+    torch.testing.assert_close(residual_norm.rms_norm_reference(x, weight, EPS)[7], expected)
+    torch.testing.assert_close(
+        residual_norm.layer_norm_reference(x, weight, bias, EPS),
+        torch.nn.functional.layer_norm(x, (FEATURES,), weight, bias, EPS),
+    )
+
+
+@pytest.mark.parametrize("norm", NORMS)
+def test_every_gradient_equals_plain_torch_in_float32(norm):
+    """Input, residual, weight (and bias) gradients of a pre-norm block, through both functions (the residual
+    gradient that the kernels add in must arrive exactly once)."""
+    grads = []
+    for block in (reference_block, kernel_block):
+        x, a, weight, bias = (t.clone().requires_grad_() if t is not None else None for t in inputs(norm))
+        out = block(x, a, weight, bias)
+        out.backward(torch.linspace(-1, 1, out.numel()).view_as(out))
+        grads.append((out.detach(), x.grad, a.grad, weight.grad, bias.grad if bias is not None else None))
+    for expected, actual, name in zip(grads[0], grads[1], ("output", "x", "a", "weight", "bias")):
+        if expected is None:
+            assert actual is None, name
+            continue
+        torch.testing.assert_close(actual, expected, rtol=1e-5, atol=1e-5, msg=name)
+
+
+@pytest.mark.parametrize("norm", NORMS)
+def test_strided_input_gives_the_same_numbers(norm):
+    """A transposed (non-contiguous) input: outputs and gradients equal those of its contiguous copy."""
+    results = []
+    for make_strided in (False, True):
+        x, a, weight, bias = (t.clone().requires_grad_() if t is not None else None for t in inputs(norm))
+        source = x.detach().t().contiguous().t().requires_grad_() if make_strided else x
+        assert source.is_contiguous() is not make_strided
+        out = kernel_block(source, a, weight, bias)
+        out.backward(torch.linspace(-1, 1, out.numel()).view_as(out))
+        results.append((out.detach(), source.grad, a.grad, weight.grad))
+    for expected, actual in zip(*results):
+        torch.testing.assert_close(actual, expected, rtol=0, atol=0)
+
+
+@pytest.mark.parametrize("norm", NORMS)
+def test_bfloat16_close_to_plain_torch(norm):
+    grads = []
+    for block in (reference_block, kernel_block):
+        x, a, weight, bias = inputs(norm, torch.bfloat16)
+        x, a, weight = x.requires_grad_(), a.requires_grad_(), weight.requires_grad_()
+        out = block(x, a, weight, bias)
+        out.float().sum().backward()
+        grads.append((out.detach(), x.grad, a.grad))
+    for expected, actual, name in zip(grads[0], grads[1], ("output", "x", "a")):
+        assert actual.dtype == torch.bfloat16
+        # Both round every intermediate to bf16 (2^-8 relative), at different points: compare as a whole.
+        error = (actual.float() - expected.float()).norm() / expected.float().norm()
+        assert error < 1e-2, (name, error.item())
+
+
+def test_refuses_mismatched_shapes():
+    x, a, weight, bias = inputs("LayerNorm")
+    with pytest.raises(ValueError, match="weight .* one entry per feature"):
+        residual_norm.norm_forward(x, weight[:-1], None, EPS)
+    with pytest.raises(ValueError, match="bias .* one entry per feature"):
+        residual_norm.norm_forward(x, weight, bias[:-1], EPS)
+    with pytest.raises(ValueError, match="the residual must be a contiguous tensor shaped like the input"):
+        residual_norm.norm_forward(x, weight, None, EPS, add=a[:-1])
+
+
+def test_config_refuses_fp8_layers_with_fused_residual_norm():
+    with pytest.raises(ValueError, match="layer_precision must be all None"):
+        NVAmplifyConfig(num_hidden_layers=2, fused_residual_norm=True, layer_precision=["fp8", None])
+    assert NVAmplifyConfig(num_hidden_layers=2, fused_residual_norm=True).fused_residual_norm

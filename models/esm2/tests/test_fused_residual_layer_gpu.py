@@ -1,0 +1,122 @@
+"""ESM-2 with ``fused_residual_norm=True`` (fused_residual_layer.py: residual adds inside Triton LayerNorm kernels,
+biases and GELU in the GEMM epilogues) gives the numbers of TE's ``TransformerLayer`` with the same weights, has the
+same state-dict keys, and trains with recompute and from a meta-device init. The norm kernels are tested on CPU in
+models/amplify's test_residual_norm.py (one copy of them serves both models)."""
+
+import pytest
+import torch
+from esm_testing import hf_esm2_config, make_batch, randomize_
+from transformers import EsmForMaskedLM
+
+from esm2_te.convert import convert_esm_hf_to_te
+from esm2_te.fused_residual_layer import FusedResidualTransformerLayer
+from esm2_te.modeling_esm_te import NVEsmForMaskedLM
+
+
+pytestmark = [pytest.mark.requires_gpu, pytest.mark.requires_te]
+
+# Heads of 64 as ESM-2 650M; hidden 320 is not a power of two (the norm kernels' column masks).
+SHAPE = {"num_hidden_layers": 2, "hidden_size": 320, "num_attention_heads": 5, "intermediate_size": 1280}
+
+
+def relative_error(actual: torch.Tensor, expected: torch.Tensor) -> float:
+    return ((actual - expected).float().norm() / expected.float().norm().clamp(min=1e-12)).item()
+
+
+def models(**overrides):
+    """(fused, plain): the same random ESM-2 weights (every bias and norm nonzero) in the fused layers and TE's."""
+    torch.manual_seed(0)
+    hf_model = randomize_(EsmForMaskedLM(hf_esm2_config(**SHAPE)))
+    fused = convert_esm_hf_to_te(hf_model, backend="te", fused_residual_norm=True, **overrides).cuda()
+    plain = convert_esm_hf_to_te(hf_model, backend="te", **overrides).cuda()
+    assert all(isinstance(layer, FusedResidualTransformerLayer) for layer in fused.esm.encoder.layers)
+    assert not any(isinstance(layer, FusedResidualTransformerLayer) for layer in plain.esm.encoder.layers)
+    assert sorted(fused.state_dict()) == sorted(plain.state_dict())  # checkpoints load either way
+    return fused, plain
+
+
+def batch_in(input_format: str, lengths=(200, 130, 77, 250, 31)) -> dict:
+    input_ids, attention_mask, labels = make_batch(list(lengths))
+    if input_format == "bshd":
+        batch = {"input_ids": input_ids, "attention_mask": attention_mask, "labels": labels}
+    else:
+        keep = attention_mask.bool()
+        sequence_lengths = attention_mask.sum(1)
+        batch = {
+            "input_ids": input_ids[keep][None],
+            "labels": labels[keep][None],
+            "cu_seq_lens_q": torch.nn.functional.pad(sequence_lengths.cumsum(0), (1, 0)).int(),
+            "max_length_q": int(sequence_lengths.max()),
+        }
+    return {k: v.cuda() if isinstance(v, torch.Tensor) else v for k, v in batch.items()}
+
+
+@pytest.mark.parametrize("recompute", [False, True], ids=["keep", "recompute"])
+@pytest.mark.parametrize("input_format", ["bshd", "thd"])
+@pytest.mark.parametrize("precision", ["bf16-autocast", "bf16-weights", "fp32"])
+def test_fused_residual_layers_equal_te_layers(precision, input_format, recompute):
+    fused, plain = models()
+    if precision == "bf16-weights":
+        fused, plain = fused.bfloat16(), plain.bfloat16()
+    fused.train().config.recompute_layers = SHAPE["num_hidden_layers"] if recompute else 0
+    plain.train()
+    batch = batch_in(input_format)
+    outputs = []
+    for model in (fused, plain):
+        with torch.autocast("cuda", dtype=torch.bfloat16, enabled=precision == "bf16-autocast"):
+            output = model(**batch)
+        output.loss.backward()
+        outputs.append(output)
+    out_fused, out_plain = outputs
+    # bf16: a few roundings apart per layer; fp32: the same math in another order and precision of accumulation.
+    loss_tolerance, logits_tolerance, grad_tolerance = (
+        (1e-4, 1e-3, 1e-2) if precision == "fp32" else (2e-3, 1e-2, 3e-2)
+    )
+    assert out_fused.loss.item() == pytest.approx(out_plain.loss.item(), rel=loss_tolerance)
+    assert relative_error(out_fused.logits, out_plain.logits) < logits_tolerance
+    plain_params = dict(plain.named_parameters())
+    checked = 0
+    for name, param in fused.named_parameters():
+        expected = plain_params[name].grad
+        if expected is None:
+            assert param.grad is None, name
+            continue
+        assert param.grad is not None, name
+        assert relative_error(param.grad, expected) < grad_tolerance, (name, relative_error(param.grad, expected))
+        checked += "bias" in name
+    assert checked >= 6 * SHAPE["num_hidden_layers"]  # every layer's six biases (two norms, QKV, proj, fc1, fc2)
+
+
+def test_fused_model_reports_the_hidden_states_of_te_layers():
+    fused, plain = models()
+    batch = batch_in("bshd", (200, 130, 77))
+    batch.pop("labels")
+    with torch.no_grad():
+        states_fused = fused.eval()(**batch, output_hidden_states=True).hidden_states
+        states_plain = plain.eval()(**batch, output_hidden_states=True).hidden_states
+    assert len(states_fused) == len(states_plain) == SHAPE["num_hidden_layers"] + 1
+    for index, (actual, expected) in enumerate(zip(states_fused, states_plain, strict=True)):
+        assert relative_error(actual, expected) < 1e-3, (index, relative_error(actual, expected))
+
+
+def test_fused_residual_layers_train_from_a_meta_device_init():
+    config = models()[0].config
+    with torch.device("meta"):
+        model = NVEsmForMaskedLM(config)
+    model.init_empty_weights()
+    layer = model.esm.encoder.layers[0]
+    assert torch.equal(layer.self_attention.layernorm_qkv.layer_norm_weight, torch.ones(320, device="cuda"))
+    assert torch.equal(layer.layernorm_mlp.fc1_bias, torch.zeros(1280, device="cuda"))
+    assert layer.layernorm_mlp.fc1_weight.std().item() == pytest.approx(config.initializer_range, rel=0.1)
+    model.train()
+    batch = batch_in("thd", (120, 64))
+    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3)
+    losses = []
+    for _ in range(8):
+        with torch.autocast("cuda", dtype=torch.bfloat16):
+            loss = model(**batch).loss
+        loss.backward()
+        optimizer.step()
+        optimizer.zero_grad()
+        losses.append(loss.item())
+    assert losses[-1] < losses[0] - 0.5, losses  # learns the one batch
