@@ -56,6 +56,14 @@ def assert_learned(metrics: list[dict], threshold: float = LOSS_THRESHOLD, last_
         ),
         ("train_fsdp2.py", ["dataset.input_format=bshd", "+model_config_overrides.fused_residual_norm=true"]),
     ],
+    ids=[
+        "ddp-bshd",
+        "fsdp2-thd",
+        "fsdp2-async-compile",
+        "ddp-bf16-weights",
+        "ddp-fused-residual",
+        "fsdp2-fused-residual",
+    ],
 )
 def test_te_backend_learns_and_exports(tmp_path, script, overrides):
     metrics = train_on_gpu(script, tmp_path, "+model_config_overrides.backend=te", *overrides)
