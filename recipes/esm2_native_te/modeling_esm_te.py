@@ -19,7 +19,6 @@ This file is self-contained apart from the modules it imports from beside it (th
 copied with it into a recipe and shipped with it inside an exported checkpoint (``trust_remote_code=True``).
 """
 
-import logging
 import math
 import os
 
@@ -57,8 +56,6 @@ except Exception as error:  # ImportError, or a broken CUDA install raising at i
     te = None
     _TE_IMPORT_ERROR = error
 
-
-logger = logging.getLogger(__name__)
 
 AUTO_MAP = {
     "AutoConfig": "modeling_esm_te.NVEsmConfig",
@@ -102,11 +99,11 @@ class NVEsmConfig(EsmConfig):
     # TE backend: rotate queries and keys right after the fused QKV projection (packed_rope.py: one Triton kernel,
     # attention gets one packed QKV tensor) instead of TE's RoPE. Same numbers; off under context parallelism.
     fused_qkv_rope: bool = True
-    # TE backend, experimental: build the layers as FusedResidualTransformerLayer (fused_residual_layer.py): the same
-    # parameters as TE's layer, the residual adds inside Triton LayerNorm kernels, the biases added by the GEMMs
-    # (650M, 48k tokens, 1xH100: +2.4% tokens/s). Its numbers equal TE's layer's at initialisation, but its loss trails
-    # TE's over the first ~20 training steps (+0.033 at step 10, level from step 30), a difference not yet explained:
-    # docs/benchmarks.md. Always rotates inside the QKV projection. bf16/fp32 only: no FP8/FP4 layers, no dropout,
+    # TE backend: build the layers as FusedResidualTransformerLayer (fused_residual_layer.py): the same parameters as
+    # TE's layer, the residual adds inside Triton LayerNorm kernels, the biases added by the GEMMs (650M, 48k tokens,
+    # 1xH100: +2.4% tokens/s). Its losses equal those of TE's layer with TE's bias-dropout-add run eagerly; TE's
+    # compiled one lets still-tiny biases break bf16 ties, which lowers the loss over the first ~20 steps
+    # (docs/benchmarks.md). Always rotates inside the QKV projection. bf16/fp32 only: no FP8/FP4 layers, no dropout,
     # no context parallelism.
     fused_residual_norm: bool = False
 
@@ -254,11 +251,6 @@ class NVEsmEncoder(nn.Module):
         layer_class = TorchTransformerLayer
         if backend == "te":
             layer_class = FusedResidualTransformerLayer if config.fused_residual_norm else te.TransformerLayer
-            if config.fused_residual_norm:
-                logger.warning(
-                    "fused_residual_norm is experimental for ESM-2: early in training its loss trails TE's layers "
-                    "(+0.03 at step 10, level from step 30; docs/benchmarks.md). Leave it off for runs that matter."
-                )
         head_dim = config.hidden_size // config.num_attention_heads
         std = config.initializer_range
 
