@@ -129,6 +129,42 @@ def test_every_gradient_equals_plain_torch_in_float32(norm):
         torch.testing.assert_close(actual, expected, rtol=1e-5, atol=1e-5, msg=name)
 
 
+def test_wide_rows_get_fewer_rows_per_tile_and_more_warps():
+    """Four rows on four warps up to 2,048 values per row (ESM-2 650M, AMPLIFY: the tiles these kernels were first
+    measured with), then more warps, and from 4,097 one row per tile (ESM-2 3B: 2,560, 15B: 5,120)."""
+    tiles = {features: residual_norm._tile(features) for features in (96, 640, 960, 1280, 2048, 2560, 4096, 5120)}
+    assert tiles == {
+        96: (128, 4, 4),
+        640: (1024, 4, 4),
+        960: (1024, 4, 4),
+        1280: (2048, 4, 4),
+        2048: (2048, 4, 4),
+        2560: (4096, 4, 8),
+        4096: (4096, 4, 8),
+        5120: (8192, 1, 16),
+    }
+
+
+@pytest.mark.parametrize("tile_rows", [1, 2])
+@pytest.mark.parametrize("norm", NORMS)
+def test_tiles_of_fewer_rows_give_the_same_numbers(monkeypatch, norm, tile_rows):
+    """The kernels with one or two rows per tile (each backward program then loops over 64 or 32 tiles), as wide rows
+    run them, on narrow rows here: the interpreter would take minutes over tiles of thousands of columns. The GPU
+    test (test_residual_norm_gpu.py) runs the real widths compiled."""
+    monkeypatch.setattr(
+        residual_norm, "_tile", lambda num_cols: (residual_norm.triton.next_power_of_2(num_cols), tile_rows, 8)
+    )
+    grads = []
+    for block in (reference_block, kernel_block):
+        x, a, weight, bias = (t.clone().requires_grad_() if t is not None else None for t in inputs(norm))
+        out = block(x, a, weight, bias)
+        out.backward(torch.linspace(-1, 1, out.numel()).view_as(out))
+        grads.append((out.detach(), x.grad, a.grad, weight.grad, bias.grad if bias is not None else None))
+    for expected, actual, name in zip(grads[0], grads[1], ("output", "x", "a", "weight", "bias")):
+        if expected is not None:
+            torch.testing.assert_close(actual, expected, rtol=1e-5, atol=1e-5, msg=name)
+
+
 @pytest.mark.parametrize("norm", NORMS)
 def test_strided_input_gives_the_same_numbers(norm):
     """A transposed (non-contiguous) input: outputs and gradients equal those of its contiguous copy."""
