@@ -127,15 +127,9 @@ def build_model(
     check_quantization_supported(plan, device)  # FP8/FP4 on a machine that cannot run it fails here
     try:
         # backend=te on a machine without TE or a GPU fails here, in one line
-        backend = resolve_backend(config.backend)
+        resolve_backend(config.backend)
     except RuntimeError as error:
         raise UnsupportedHardwareError(f"{error} (+model_config_overrides.backend=torch)") from None
-    splits_attention = meshes is not None and meshes.cp is not None
-    if backend == "te" and getattr(config, "fused_residual_norm", False) and splits_attention:
-        raise ConfigError(
-            "model_config_overrides.fused_residual_norm=true builds layers without context parallelism: set it to "
-            "false for train_cp.py with cp_size > 1"
-        )
     if strategy == "mfsdp":
         if config.recompute_layers:
             # Megatron-FSDP gathers and frees weights in its own module hooks; whether they hold while a layer is
@@ -194,7 +188,9 @@ def build_optimizer(cfg: DictConfig, model: torch.nn.Module, device: torch.devic
 
 def log_model(model: torch.nn.Module, config) -> None:
     millions = sum(p.numel() for p in model.parameters()) / 1e6
-    logger.info("Model: %s backend, %.1fM parameters%s", model.backend, millions, recompute_note(config))
+    fused = model.backend == "te" and getattr(config, "fused_residual_norm", False)
+    layers = " (FusedResidualTransformerLayer: residual adds inside the norm kernels)" if fused else ""
+    logger.info("Model: %s backend%s, %.1fM parameters%s", model.backend, layers, millions, recompute_note(config))
 
 
 def _build_megatron_fsdp(cfg, device, meshes, family: ModelFamily, config, plan, quant_stats) -> BuiltModel:

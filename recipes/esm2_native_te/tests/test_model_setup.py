@@ -7,10 +7,12 @@ sharded layer sees exactly what reaches it. The control case swaps in a policy t
 that the same probe then sees bf16, so the probe can fail.
 """
 
+import logging
 import warnings
 from pathlib import Path
 
 import distributed
+import model_families
 import model_setup
 import pytest
 import torch
@@ -18,7 +20,10 @@ import torch.distributed as dist
 from compensated_adamw import CompensatedAdamW
 from distributed import DistributedConfig, build_meshes, data_parallel_wrapper, wrap_in_ddp
 from hydra import compose, initialize_config_dir
+from model_families import load_model_config
 from model_setup import build_model, build_optimizer
+from omegaconf import OmegaConf
+from quantization import QuantizationPlan, resolve_layer_precision
 from torch.distributed.fsdp import FSDPModule, MixedPrecisionPolicy
 from torch.nn.parallel import DistributedDataParallel
 from user_errors import ConfigError
@@ -149,19 +154,43 @@ def test_unknown_strategy_fails():
         build_model(bf16_cfg(), torch.device("cpu"), None, strategy="zero3")
 
 
-@pytest.mark.parametrize("config_name", ["L0_sanity", "L0_sanity_amplify"])
-def test_fused_residual_norm_is_refused_with_context_parallelism(monkeypatch, config_name):
-    """ESM-2's and AMPLIFY's fused_residual_norm layers (TE backend) cannot split attention over a CP group: one
-    ConfigError naming the setting, before any model is built (not the layer's traceback from inside the model)."""
+@pytest.mark.parametrize(
+    "run_overrides, reason",
+    [
+        (["fp8_config.enabled=true"], "this run has FP8/FP4 layers"),
+        (["fp8_config.enabled=true", "fp8_config.fp8_layers=[1]"], "this run has FP8/FP4 layers"),
+        (["cp_size=2"], "cp_size > 1"),
+        (["use_torch_compile=true"], "use_torch_compile=true"),
+    ],
+    ids=["fp8", "one-fp8-layer", "context-parallel", "torch-compile"],
+)
+@pytest.mark.parametrize("config_name", ["L1_650M", "L1_3B", "L0_sanity_amplify"])
+def test_fused_layers_are_switched_off_where_they_cannot_run(monkeypatch, caplog, config_name, run_overrides, reason):
+    """The ESM-2 L1 configs turn fused_residual_norm on (as may a user, for AMPLIFY too); FP8/FP4 layers, context
+    parallelism or torch.compile added to such a run get TE's layers and one warning that says why, not the
+    model's refusal."""
+    # The per-layer plan as on a GPU machine; TE's recipe object (not needed here) stands in as None.
+    monkeypatch.setattr(
+        model_families,
+        "build_quantization",
+        lambda fp8, fp4, layers: QuantizationPlan(resolve_layer_precision(layers, fp8["enabled"], fp8["fp8_layers"])),
+    )
+    fused = [] if config_name.startswith("L1_") else ["+model_config_overrides.fused_residual_norm=true"]
     with initialize_config_dir(config_dir=str(CONFIG_DIR), version_base="1.3"):
+        plain = compose(config_name=config_name, overrides=["output_dir=unused", "dataset.path=x", *fused])
         cfg = compose(
-            config_name=config_name,
-            overrides=["output_dir=unused", "+model_config_overrides.fused_residual_norm=true"],
+            config_name=config_name, overrides=["output_dir=unused", "dataset.path=x", *fused, *run_overrides]
         )
-    monkeypatch.setattr(model_setup, "resolve_backend", lambda requested: "te")  # as on a GPU with TE
-    with_cp = distributed.Meshes(fsdp=None, dp=None, cp=object())
-    with pytest.raises(ConfigError, match="fused_residual_norm=true builds layers without context parallelism"):
-        build_model(cfg, torch.device("cpu"), with_cp, strategy="fsdp2")
+    as_is, _ = load_model_config(
+        plain, OmegaConf.to_container(plain.fp8_config), OmegaConf.to_container(plain.fp4_config)
+    )
+    assert as_is.fused_residual_norm  # on in the config, and kept by a run that can use it
+    with caplog.at_level(logging.WARNING, logger="model_families"):
+        config, _ = load_model_config(
+            cfg, OmegaConf.to_container(cfg.fp8_config), OmegaConf.to_container(cfg.fp4_config)
+        )
+    assert not config.fused_residual_norm
+    assert "fused_residual_norm is off for this run (TE's layers instead)" in caplog.text and reason in caplog.text
 
 
 def test_activation_recompute_is_refused_with_megatron_fsdp():
