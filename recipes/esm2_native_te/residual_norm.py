@@ -167,9 +167,10 @@ def _tile(num_cols: int) -> tuple[int, int, int]:
     The backward keeps several float32 tiles live at once (input, output gradient, normalised input, input
     gradient). Four rows per tile on four warps suit rows of up to 2,048 values (ESM-2 650M, AMPLIFY); wider tiles
     spill out of registers and slow the kernels down many times over (ESM-2 3B's 2,560 features as [4, 4096] tiles on
-    four warps: 2.9 ms per backward call where TE's LayerNorm takes 0.17 ms), so wider rows get more warps, and from
-    8,192 values one row per tile. Chosen by a sweep on one H200 (rows 1-8 x warps 2-16, LayerNorm and RMSNorm,
-    640-5,120 features): these are the fastest or within 10% of it, forward plus backward."""
+    four warps: 2.9 ms per backward call where TE's LayerNorm takes 0.17 ms), so wider rows get more warps, and rows
+    wider than 4,096 values one row per tile. Chosen by a sweep on one H200 (rows 1-8 x warps 2-16, 640-5,120
+    features): for the norms the models use (LayerNorm at 1,280, 2,560 and 5,120 features, RMSNorm at 640 and 960)
+    these tiles are the fastest or within 10% of it, forward plus backward (docs/benchmarks.md)."""
     block = triton.next_power_of_2(num_cols)
     rows = 4 if block <= 4096 else 1
     warps = max(4, min(16, block // 512))
