@@ -169,10 +169,18 @@ class PackedQKVRotary:
         self._batch = None
 
     @classmethod
-    def for_layers(cls, layers, num_heads: int, head_dim: int) -> "PackedQKVRotary | None":
+    def for_layers(
+        cls, layers, num_heads: int, head_dim: int, required_by: str | None = None
+    ) -> "PackedQKVRotary | None":
         """Attached to ``layers`` where this machine and head size allow it (Triton importable, head_dim / 2 a
-        power of two); None otherwise: the caller then keeps TE's RoPE."""
+        power of two); None otherwise: the caller then keeps TE's RoPE. ``required_by`` names a setting that has no
+        such fallback (its layers apply no rotary table themselves): then a ValueError instead of None."""
         if not (available() and supports(head_dim)):
+            if required_by is not None:
+                raise ValueError(
+                    f"{required_by} rotates queries and keys inside the QKV projection, which needs Triton and half "
+                    f"a head ({head_dim // 2}) to be a power of two"
+                )
             return None
         rotary = cls(num_heads, head_dim)
         rotary.attach(layers)
@@ -197,3 +205,29 @@ class PackedQKVRotary:
             raise TypeError(f"in-place RoPE needs a plain tensor QKV projection, got {type(qkv).__name__}")
         qkv = rotate_query_key_(qkv, *self._batch, self.num_heads, self.head_dim)
         return qkv if rest is None else (qkv, *rest)
+
+
+def layers_rotary_pos_emb(
+    qkv_rotary: PackedQKVRotary | None, packed, table: torch.Tensor, fused_qkv_rope: bool, fused_residual_norm: bool
+) -> torch.Tensor | None:
+    """Prepare one pass of an encoder's layers over ``packed`` (a packing.PackedBatch) and return the
+    ``rotary_pos_emb`` to call them with: None where the QKV projections rotate queries and keys themselves, else
+    ``table`` (TE's RoPE in the layers).
+
+    The projections rotate when the encoder has a ``qkv_rotary`` and either its config asks for it
+    (``fused_qkv_rope``) and the pass allows it, or its layers cannot do otherwise (``fused_residual_norm``: then a
+    pass that does not allow it is an error). A pass does not allow it under context parallelism (per-sequence
+    padding: TE's RoPE places each rank's shares) or under torch.compile (dynamo fails inside TE's attention on the
+    packed-QKV path; TE 2.20, torch 2.11).
+    """
+    if qkv_rotary is None:
+        return table
+    allowed = packed.cu_seqlens_padded is None and not torch.compiler.is_compiling()
+    if fused_residual_norm and not allowed:
+        raise ValueError(
+            "fused_residual_norm layers take packed sequences without per-sequence padding (no context "
+            "parallelism) and do not run under torch.compile; set fused_residual_norm=False for those"
+        )
+    in_projection = allowed and (fused_qkv_rope or fused_residual_norm)
+    qkv_rotary.set_batch(packed.positions() if in_projection else None, table)
+    return None if in_projection else table

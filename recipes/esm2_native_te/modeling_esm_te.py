@@ -30,20 +30,22 @@ from transformers.modeling_outputs import BaseModelOutput, MaskedLMOutput, Token
 
 
 try:  # package import (models/esm2, exported checkpoints)
-    from .activation_recompute import call_layer, recomputes, refuse_delayed_scaling, validate_recompute_layers
+    from .activation_recompute import refuse_delayed_scaling, validate_recompute_layers
     from .fused_residual_layer import FusedResidualTransformerLayer
     from .layer_autocast import LayerAutocast
+    from .layer_stack import run_layer_stack
     from .meta_init import materialize_meta_model
-    from .packed_rope import PackedQKVRotary
+    from .packed_rope import PackedQKVRotary, layers_rotary_pos_emb
     from .packing import PackedBatch, pack_inputs, token_mean_loss
     from .te_attention import split_packed_qkv
     from .torch_layers import TransformerLayer as TorchTransformerLayer
 except ImportError:  # flat copy inside a recipe folder
-    from activation_recompute import call_layer, recomputes, refuse_delayed_scaling, validate_recompute_layers
+    from activation_recompute import refuse_delayed_scaling, validate_recompute_layers
     from fused_residual_layer import FusedResidualTransformerLayer
     from layer_autocast import LayerAutocast
+    from layer_stack import run_layer_stack
     from meta_init import materialize_meta_model
-    from packed_rope import PackedQKVRotary
+    from packed_rope import PackedQKVRotary, layers_rotary_pos_emb
     from packing import PackedBatch, pack_inputs, token_mean_loss
     from te_attention import split_packed_qkv
     from torch_layers import TransformerLayer as TorchTransformerLayer
@@ -287,12 +289,12 @@ class NVEsmEncoder(nn.Module):
         )
         self.qkv_rotary = None  # TE backend: rotary embeddings applied inside the QKV projections (packed_rope.py)
         if backend == "te":
-            self.qkv_rotary = PackedQKVRotary.for_layers(self.layers, config.num_attention_heads, head_dim)
-            if config.fused_residual_norm and self.qkv_rotary is None:
-                raise ValueError(
-                    "fused_residual_norm rotates queries and keys inside the QKV projection, which needs Triton and "
-                    f"half a head ({head_dim // 2}) to be a power of two"
-                )
+            self.qkv_rotary = PackedQKVRotary.for_layers(
+                self.layers,
+                config.num_attention_heads,
+                head_dim,
+                "fused_residual_norm" if config.fused_residual_norm else None,
+            )
             if not config.fused_residual_norm:  # (the fused layers run GELU in the GEMMs and split q/k/v themselves)
                 use_gemm_epilogue_gelu(self.layers)
                 if self.qkv_rotary is not None:  # attention reads q/k/v as views of the rotated buffer
@@ -411,55 +413,29 @@ class NVEsmModel(NVEsmPreTrainedModel):
     def _alignment(self) -> int:
         return 16 if any(p is not None for p in self.layer_precision) else 1
 
-    def _layer_rotary(self, packed: PackedBatch, rotary: torch.Tensor) -> torch.Tensor | None:
-        """The layers' ``rotary_pos_emb``: None where the QKV projections rotate queries and keys themselves
-        (``config.fused_qkv_rope``), else the table: under context parallelism, whose shares TE's RoPE places, and
-        under torch.compile, where dynamo fails inside TE's attention on the packed-QKV path (TE 2.20, torch 2.11)."""
-        qkv_rotary = self.encoder.qkv_rotary
-        if qkv_rotary is None:
-            return rotary
-        if self.config.fused_residual_norm:  # these layers always rotate in the projection
-            if packed.cu_seqlens_padded is not None or torch.compiler.is_compiling():
-                raise ValueError(
-                    "fused_residual_norm layers take packed sequences without per-sequence padding (no context "
-                    "parallelism) and do not run under torch.compile; set fused_residual_norm=False for those"
-                )
-            qkv_rotary.set_batch(packed.positions(), rotary)
-            return None
-        in_projection = (
-            self.config.fused_qkv_rope and packed.cu_seqlens_padded is None and not torch.compiler.is_compiling()
-        )
-        qkv_rotary.set_batch(packed.positions() if in_projection else None, rotary)
-        return None if in_projection else rotary
-
     def forward_packed(self, packed: PackedBatch, output_hidden_states: bool = False):
         """Run the encoder on packed tokens: returns ([tokens, hidden], tuple of per-layer inputs or None)."""
         hidden = self.embeddings(packed)
         if self.training and torch.is_grad_enabled():
             refuse_delayed_scaling(self)  # recompute can also be switched on after construction
-        rotary = self._layer_rotary(packed, self.encoder.rotary_embeddings(packed.max_seqlen))
-        all_hidden = []
-        # fused_residual_norm layers hand their last residual add to the next layer's first norm kernel: each returns
-        # (mlp_out, residual) unsummed, and the sum is formed here only after the last layer.
-        defer_residual = self.backend == "te" and self.config.fused_residual_norm
-        pending = None
-        with self._layer_autocast() as regions:
-            for index, layer in enumerate(self.encoder.layers):
-                if output_hidden_states:
-                    all_hidden.append(hidden if pending is None else hidden + pending)
-                regions.enter_layer(index)
-                deferred = {"pending_residual": pending, "defer_residual": True} if defer_residual else {}
-                output = call_layer(
-                    layer,
-                    recomputes(self, index),
-                    hidden,
-                    rotary_pos_emb=rotary,
-                    **packed.layer_boundaries(),
-                    **deferred,
-                )
-                hidden, pending = output if defer_residual else (output, None)
-        if pending is not None:
-            hidden = hidden + pending
+        config = self.config
+        rotary = layers_rotary_pos_emb(
+            self.encoder.qkv_rotary,
+            packed,
+            self.encoder.rotary_embeddings(packed.max_seqlen),
+            config.fused_qkv_rope,
+            config.fused_residual_norm,
+        )
+        hidden, all_hidden = run_layer_stack(
+            self,
+            self.encoder.layers,
+            hidden,
+            self._layer_autocast(),
+            defer_residual=self.backend == "te" and config.fused_residual_norm,
+            output_hidden_states=output_hidden_states,
+            rotary_pos_emb=rotary,
+            **packed.layer_boundaries(),
+        )
         hidden = self.encoder.emb_layer_norm_after(hidden)
         if output_hidden_states:
             all_hidden.append(hidden)

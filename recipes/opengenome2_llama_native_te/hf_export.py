@@ -33,8 +33,8 @@ logger = logging.getLogger(__name__)
 
 # Files a modeling file imports from beside it; an export ships those of them that sit beside it (te_attention.py
 # belongs to the models whose TE attention takes packed QKV, activation_recompute.py to all but ViT, packed_rope.py
-# to ESM-2 and AMPLIFY, fused_residual_layer.py and residual_norm.py to AMPLIFY and ESM-2, layer_autocast.py to
-# all).
+# to ESM-2 and AMPLIFY, fused_residual_layer.py, residual_norm.py and layer_stack.py to AMPLIFY and ESM-2,
+# layer_autocast.py to all).
 MODELING_SUPPORT_FILES = (
     "torch_layers.py",
     "packing.py",
@@ -45,6 +45,7 @@ MODELING_SUPPORT_FILES = (
     "fused_residual_layer.py",
     "residual_norm.py",
     "layer_autocast.py",
+    "layer_stack.py",
 )
 
 

@@ -65,3 +65,22 @@ def make_batch(lengths: list[int], seed: int = 0, mask_fraction: float = 0.15):
         input_ids[row, :length] = torch.cat([torch.tensor([0]), torch.where(masked, 32, residues), torch.tensor([2])])
         attention_mask[row, :length] = 1
     return input_ids, attention_mask, labels
+
+
+def model_inputs(input_format: str, lengths=(200, 130, 77, 250, 31), device: str = "cuda") -> dict:
+    """``make_batch(lengths)`` as keyword arguments for the models on ``device``: padded (``"bshd"``, with the
+    attention mask) or packed (``"thd"``: the real tokens end to end as one row, ``cu_seq_lens_q`` at the sequence
+    boundaries)."""
+    input_ids, attention_mask, labels = make_batch(list(lengths))
+    if input_format == "bshd":
+        batch = {"input_ids": input_ids, "attention_mask": attention_mask, "labels": labels}
+    else:
+        keep = attention_mask.bool()
+        sequence_lengths = attention_mask.sum(1)
+        batch = {
+            "input_ids": input_ids[keep][None],
+            "labels": labels[keep][None],
+            "cu_seq_lens_q": torch.nn.functional.pad(sequence_lengths.cumsum(0), (1, 0)).int(),
+            "max_length_q": int(sequence_lengths.max()),
+        }
+    return {k: v.to(device) if isinstance(v, torch.Tensor) else v for k, v in batch.items()}

@@ -5,7 +5,7 @@ models/amplify's test_residual_norm.py (one copy of them serves both models)."""
 
 import pytest
 import torch
-from esm_testing import hf_esm2_config, make_batch, randomize_
+from esm_testing import hf_esm2_config, model_inputs, randomize_
 from transformers import EsmForMaskedLM
 
 from esm2_te.convert import convert_esm_hf_to_te
@@ -35,22 +35,6 @@ def models(**overrides):
     return fused, plain
 
 
-def batch_in(input_format: str, lengths=(200, 130, 77, 250, 31)) -> dict:
-    input_ids, attention_mask, labels = make_batch(list(lengths))
-    if input_format == "bshd":
-        batch = {"input_ids": input_ids, "attention_mask": attention_mask, "labels": labels}
-    else:
-        keep = attention_mask.bool()
-        sequence_lengths = attention_mask.sum(1)
-        batch = {
-            "input_ids": input_ids[keep][None],
-            "labels": labels[keep][None],
-            "cu_seq_lens_q": torch.nn.functional.pad(sequence_lengths.cumsum(0), (1, 0)).int(),
-            "max_length_q": int(sequence_lengths.max()),
-        }
-    return {k: v.cuda() if isinstance(v, torch.Tensor) else v for k, v in batch.items()}
-
-
 @pytest.mark.parametrize("recompute", [False, True], ids=["keep", "recompute"])
 @pytest.mark.parametrize("input_format", ["bshd", "thd"])
 @pytest.mark.parametrize("precision", ["bf16-autocast", "bf16-weights", "fp32"])
@@ -60,7 +44,7 @@ def test_fused_residual_layers_equal_te_layers(precision, input_format, recomput
         fused, plain = fused.bfloat16(), plain.bfloat16()
     fused.train().config.recompute_layers = SHAPE["num_hidden_layers"] if recompute else 0
     plain.train()
-    batch = batch_in(input_format)
+    batch = model_inputs(input_format)
     outputs = []
     for model in (fused, plain):
         with torch.autocast("cuda", dtype=torch.bfloat16, enabled=precision == "bf16-autocast"):
@@ -89,7 +73,7 @@ def test_fused_residual_layers_equal_te_layers(precision, input_format, recomput
 
 def test_fused_model_reports_the_hidden_states_of_te_layers():
     fused, plain = models()
-    batch = batch_in("bshd", (200, 130, 77))
+    batch = model_inputs("bshd", (200, 130, 77))
     batch.pop("labels")
     with torch.no_grad():
         states_fused = fused.eval()(**batch, output_hidden_states=True).hidden_states
@@ -109,7 +93,7 @@ def test_fused_residual_layers_train_from_a_meta_device_init():
     assert torch.equal(layer.layernorm_mlp.fc1_bias, torch.zeros(1280, device="cuda"))
     assert layer.layernorm_mlp.fc1_weight.std().item() == pytest.approx(config.initializer_range, rel=0.1)
     model.train()
-    batch = batch_in("thd", (120, 64))
+    batch = model_inputs("thd", (120, 64))
     optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3)
     losses = []
     for _ in range(8):
@@ -146,7 +130,7 @@ def test_a_tiny_bias_moves_the_layer_output_by_about_its_own_size(layers):
     layer = model.esm.encoder.layers[0]
     biases = (layer.self_attention.proj.bias, layer.layernorm_mlp.fc2_bias)
     signs = torch.randint(0, 2, biases[0].shape, generator=torch.Generator().manual_seed(1)).cuda() * 2.0 - 1.0
-    batch = batch_in("thd")
+    batch = model_inputs("thd")
     batch.pop("labels")
     size = 2e-7
     outputs = []

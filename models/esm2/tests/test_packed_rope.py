@@ -5,7 +5,7 @@ whole model with the kernel must give TE's own RoPE path's numbers (ESM-2 here, 
 
 import pytest
 import torch
-from esm_testing import hf_esm2_config, make_batch, randomize_
+from esm_testing import hf_esm2_config, model_inputs, randomize_
 from transformers import EsmForMaskedLM
 
 from esm2_te import packed_rope
@@ -180,19 +180,7 @@ def test_esm2_with_rope_in_the_projection_equals_te_rope(input_format, recompute
     layer_calls = count_layer_calls(models[True].esm.encoder.layers)
     if recompute:  # no dropout in this config, so training mode changes nothing but the recompute
         models[True].train().config.recompute_layers = SHAPE["num_hidden_layers"]
-    input_ids, attention_mask, labels = make_batch([200, 130, 77, 250, 31])
-    if input_format == "bshd":
-        batch = {"input_ids": input_ids, "attention_mask": attention_mask, "labels": labels}
-    else:
-        keep = attention_mask.bool()
-        lengths = attention_mask.sum(1)
-        batch = {
-            "input_ids": input_ids[keep][None],
-            "labels": labels[keep][None],
-            "cu_seq_lens_q": torch.nn.functional.pad(lengths.cumsum(0), (1, 0)).int(),
-            "max_length_q": int(lengths.max()),
-        }
-    batch = {k: v.cuda() if isinstance(v, torch.Tensor) else v for k, v in batch.items()}
+    batch = model_inputs(input_format)
     outputs = {}
     for flag, model in models.items():
         with torch.autocast("cuda", dtype=torch.bfloat16):
