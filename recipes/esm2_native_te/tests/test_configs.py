@@ -61,7 +61,7 @@ def test_l0_configs_are_complete_and_use_shipped_data(name):
     assert (RECIPE_DIR / cfg.dataset.path).is_file()
 
 
-@pytest.mark.parametrize("name", ["L1_650M", "L1_3B", "L1_15B_perf"])
+@pytest.mark.parametrize("name", ["L1_650M", "L1_3B", "L1_15B_perf", "L1_amplify_120M", "L1_amplify_350M"])
 def test_benchmarks_ask_for_their_data(name):
     assert OmegaConf.is_missing(_compose(name).dataset, "path")  # real data is not shipped in the repo
 

@@ -164,9 +164,11 @@ def test_unknown_strategy_fails():
     ],
     ids=["fp8", "one-fp8-layer", "context-parallel", "torch-compile"],
 )
-@pytest.mark.parametrize("config_name", ["L1_650M", "L1_3B", "L0_sanity_amplify"])
+@pytest.mark.parametrize(
+    "config_name", ["L1_650M", "L1_3B", "L1_amplify_120M", "L1_amplify_350M", "L0_sanity_amplify"]
+)
 def test_fused_layers_are_switched_off_where_they_cannot_run(monkeypatch, caplog, config_name, run_overrides, reason):
-    """The ESM-2 L1 configs turn fused_residual_norm on (as may a user, for AMPLIFY too); FP8/FP4 layers, context
+    """The L1 configs of ESM-2 and AMPLIFY turn fused_residual_norm on (as may a user elsewhere); FP8/FP4 layers, context
     parallelism or torch.compile added to such a run get TE's layers and one warning that says why, not the
     model's refusal."""
     # The per-layer plan as on a GPU machine; TE's recipe object (not needed here) stands in as None.
