@@ -228,7 +228,7 @@ def load_model_config(cfg: DictConfig, fp8_config, fp4_config) -> tuple[Pretrain
 
 
 def _keep_fused_layers_only_where_they_run(cfg: DictConfig, config: PretrainedConfig) -> None:
-    """``fused_residual_norm`` layers (the ESM-2 L1 configs turn them on: 1.5-2.4% faster) compute in bf16/fp32, do
+    """``fused_residual_norm`` layers (the ESM-2 and AMPLIFY L1 configs turn them on) compute in bf16/fp32, do
     not split attention over a context-parallel group and do not run under torch.compile. A run that asks for any of
     those gets TE's layers instead, with a warning that says why, so that adding ``fp8_config.enabled=true`` or
     ``cp_size=2`` to such a config just works. (Built directly, the model refuses these combinations.)"""
