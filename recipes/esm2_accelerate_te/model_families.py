@@ -20,6 +20,7 @@ import logging
 import torch
 from convert import convert_esm_hf_to_te, nv_config_from_hf
 from convert_amplify import convert_amplify_hf_to_te, load_published_checkpoint, nv_config_from_published
+from fused_layer_choice import keep_fused_layers_only_where_they_run
 from modeling_amplify_te import NVAmplifyConfig, NVAmplifyForMaskedLM
 from modeling_esm_te import NVEsmConfig, NVEsmForMaskedLM
 from omegaconf import DictConfig, OmegaConf
@@ -218,32 +219,13 @@ def load_model_config(cfg: DictConfig, fp8_config, fp4_config) -> tuple[Pretrain
         )
     plan = build_quantization(fp8_config, fp4_config, config.num_hidden_layers)
     config.layer_precision = plan.layer_precision
-    _keep_fused_layers_only_where_they_run(cfg, config)
+    keep_fused_layers_only_where_they_run(cfg, config)  # FP8/FP4, CP or compile: TE's layers, one warning
     refuse_recomputed_delayed_scaling(plan, config.recompute_layers)
     try:
         family.validate(config)
     except ValueError as error:
         raise ConfigError(f"{error}: change model_config_overrides") from None
     return config, plan
-
-
-def _keep_fused_layers_only_where_they_run(cfg: DictConfig, config: PretrainedConfig) -> None:
-    """``fused_residual_norm`` layers (the ESM-2 and AMPLIFY L1 configs turn them on) compute in bf16/fp32, do
-    not split attention over a context-parallel group and do not run under torch.compile. A run that asks for any of
-    those gets TE's layers instead, with a warning that says why, so that adding ``fp8_config.enabled=true`` or
-    ``cp_size=2`` to such a config just works. (Built directly, the model refuses these combinations.)"""
-    if not getattr(config, "fused_residual_norm", False):
-        return
-    reasons = []
-    if any(precision is not None for precision in config.layer_precision or []):
-        reasons.append("this run has FP8/FP4 layers and the fused layers compute in bf16/fp32 only")
-    if cfg.get("cp_size", 1) > 1:
-        reasons.append("cp_size > 1 and the fused layers do not split attention over a context-parallel group")
-    if cfg.get("use_torch_compile", False):
-        reasons.append("use_torch_compile=true and the fused layers do not run under torch.compile")
-    if reasons:
-        logger.warning("fused_residual_norm is off for this run (TE's layers instead): %s", "; ".join(reasons))
-        config.fused_residual_norm = False
 
 
 def load_pretrained_state_dict(cfg: DictConfig) -> dict[str, torch.Tensor] | None:

@@ -6,7 +6,9 @@ qkv_weight_interleaved=True, ...)`` computes for the two pre-norm layers this pr
 parameter names and state-dict keys, so that a model can switch between the two and checkpoints load either way:
 
 * AMPLIFY's: ``normalization="RMSNorm", activation="swiglu", bias=False``;
-* ESM-2's: ``normalization="LayerNorm", activation="gelu", bias=True`` (GELU as TE's, tanh-approximated).
+* ESM-2's: ``normalization="LayerNorm", activation="gelu", bias=True`` (GELU as TE's, tanh-approximated);
+* Llama's: AMPLIFY's with grouped-query attention (``num_gqa_groups``) and causal masking
+  (``self_attn_mask_type="padding_causal"``).
 
     self_attention.layernorm_qkv.{layer_norm_weight, layer_norm_bias, weight, bias}, self_attention.proj.{weight,
     bias}, layernorm_mlp.{layer_norm_weight, layer_norm_bias, fc1_weight, fc1_bias, fc2_weight, fc2_bias}
@@ -27,8 +29,8 @@ the QKV projection (te_attention.py). Rotary embeddings must be applied inside t
 forward hook on ``self_attention.layernorm_qkv``, which this layer's projection returns as ``(qkv, residual)``).
 
 Only bf16/fp32 compute: no FP8 or FP4 (those need TE's modules), no dropout, no context parallelism. The models that
-offer this layer (``fused_residual_norm`` in AMPLIFY's and ESM-2's configs) refuse those combinations before building
-it.
+offer this layer (``fused_residual_norm`` in AMPLIFY's, ESM-2's and Llama's configs) refuse those combinations before
+building it.
 """
 
 from collections.abc import Callable
@@ -189,27 +191,50 @@ class AddNormMLP(LayerNormMLP):
 
 
 class _SelfAttention(nn.Module):
-    """``self_attention``: ``layernorm_qkv`` -> TE's ``core_attention`` -> ``proj`` (TE's module names)."""
+    """``self_attention``: ``layernorm_qkv`` -> TE's ``core_attention`` -> ``proj`` (TE's module names).
 
-    def __init__(self, hidden_size, num_heads, head_dim, eps, init_method, output_layer_init_method, layer_number, kw):
+    The projection's output is laid out as TE's interleaved one: per key/value group, its query heads, then its key
+    and value heads ([tokens, groups, heads / groups + 2, head_dim]; [tokens, heads, 3, head_dim] without GQA)."""
+
+    def __init__(
+        self, hidden_size, num_heads, num_groups, head_dim, eps, mask_type, init_method, output_init, layer_number, kw
+    ):
         super().__init__()
-        self.num_heads, self.head_dim = num_heads, head_dim
-        qkv_size = 3 * num_heads * head_dim
+        self.num_heads, self.num_groups, self.head_dim, self.mask_type = num_heads, num_groups, head_dim, mask_type
+        qkv_size = (num_heads + 2 * num_groups) * head_dim
         self.layernorm_qkv = NormQKV(hidden_size, qkv_size, eps=eps, init_method=init_method, **kw)
         self.core_attention = te.DotProductAttention(
             num_heads,
             head_dim,
+            num_gqa_groups=num_groups,
             attention_dropout=0.0,
             qkv_format="thd",
-            attn_mask_type="padding",
+            attn_mask_type=mask_type,
             layer_number=layer_number,
         )
-        self.proj = EpilogueLinear(num_heads * head_dim, hidden_size, init_method=output_layer_init_method, **kw)
+        self.proj = EpilogueLinear(num_heads * head_dim, hidden_size, init_method=output_init, **kw)
+
+    def split_qkv(self, qkv: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """Query [tokens, heads, head_dim], key and value [tokens, groups, head_dim] for TE's attention.
+
+        Without GQA they are views of the projection (``SplitPackedQKV``: TE runs its packed-QKV kernels, and their
+        gradient is attention's dQKV buffer itself). With GQA a group's query heads are not evenly spaced in the
+        buffer, so each of the three is made contiguous (one copy forward, one concatenation backward), as TE's own
+        layer does for GQA."""
+        tokens, groups, per_group = qkv.shape[0], self.num_groups, self.num_heads // self.num_groups
+        if per_group == 1:
+            return SplitPackedQKV.apply(qkv.view(tokens, groups, 3, self.head_dim), -2)
+        query, key, value = qkv.view(tokens, groups, per_group + 2, self.head_dim).split([per_group, 1, 1], dim=2)
+        return (
+            query.reshape(tokens, self.num_heads, self.head_dim),
+            key.reshape(tokens, groups, self.head_dim).contiguous(),
+            value.reshape(tokens, groups, self.head_dim).contiguous(),
+        )
 
 
 class FusedResidualTransformerLayer(nn.Module):
     """See the module docstring. Takes ``te.TransformerLayer``'s constructor and forward arguments (those that
-    AMPLIFY's and ESM-2's layers use) and refuses settings it does not implement."""
+    AMPLIFY's, ESM-2's and Llama's layers use) and refuses settings it does not implement."""
 
     def __init__(
         self,
@@ -217,6 +242,7 @@ class FusedResidualTransformerLayer(nn.Module):
         ffn_hidden_size: int,
         num_attention_heads: int,
         kv_channels: int | None = None,
+        num_gqa_groups: int | None = None,
         layernorm_epsilon: float = 1e-5,
         hidden_dropout: float = 0.0,
         attention_dropout: float = 0.0,
@@ -241,7 +267,7 @@ class FusedResidualTransformerLayer(nn.Module):
             "activation": (activation, ACTIVATIONS),
             "qkv_weight_interleaved": (qkv_weight_interleaved, (True,)),
             "attn_input_format": (attn_input_format, ("thd",)),
-            "self_attn_mask_type": (self_attn_mask_type, ("padding",)),
+            "self_attn_mask_type": (self_attn_mask_type, ("padding", "padding_causal")),
             "hidden_dropout": (hidden_dropout, (0.0,)),
             "attention_dropout": (attention_dropout, (0.0,)),
         }
@@ -252,13 +278,18 @@ class FusedResidualTransformerLayer(nn.Module):
         ]
         if unsupported:
             raise ValueError("FusedResidualTransformerLayer does not support " + ", ".join(unsupported))
+        num_groups = num_gqa_groups or num_attention_heads
+        if num_attention_heads % num_groups:
+            raise ValueError(f"num_attention_heads ({num_attention_heads}) must be a multiple of num_gqa_groups")
         head_dim = kv_channels or hidden_size // num_attention_heads
         kw = {"params_dtype": params_dtype, "device": device, "bias": bias, "normalization": normalization}
         self.self_attention = _SelfAttention(
             hidden_size,
             num_attention_heads,
+            num_groups,
             head_dim,
             layernorm_epsilon,
+            self_attn_mask_type,
             init_method,
             output_layer_init_method,
             layer_number,
@@ -315,14 +346,13 @@ class FusedResidualTransformerLayer(nn.Module):
             pending_residual = pending_residual.to(dtype) if pending_residual is not None else None
         attention = self.self_attention
         qkv, residual = attention.layernorm_qkv(hidden_states, pending_residual)
-        tokens = qkv.shape[0]
-        query, key, value = SplitPackedQKV.apply(qkv.view(tokens, attention.num_heads, 3, attention.head_dim), -2)
+        query, key, value = attention.split_qkv(qkv)
         context = attention.core_attention(
             query,
             key,
             value,
             qkv_format="thd",
-            attn_mask_type="padding",
+            attn_mask_type=attention.mask_type,
             cu_seqlens_q=cu_seqlens_q,
             cu_seqlens_kv=cu_seqlens_kv if cu_seqlens_kv is not None else cu_seqlens_q,
             cu_seqlens_q_padded=cu_seqlens_q_padded,

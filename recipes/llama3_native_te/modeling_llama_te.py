@@ -5,7 +5,9 @@ The architecture is Hugging Face's ``LlamaForCausalLM`` (pre-RMSNorm decoder, ro
 Llama 3 frequency scaling, SwiGLU MLP, grouped-query attention, final RMSNorm, tied or untied LM head). Two
 backends build it with the same parameter names and state-dict keys:
 
-* ``te``: ``transformer_engine.pytorch.TransformerLayer`` (fused QKV, fused attention, FP8/FP4 recipes);
+* ``te``: ``transformer_engine.pytorch.TransformerLayer`` (fused QKV, fused attention, FP8/FP4 recipes), or with
+  ``fused_residual_norm`` the project's ``FusedResidualTransformerLayer`` (same parameters; residual adds inside the
+  RMSNorm kernels, RoPE inside the QKV projection's buffer; bf16/fp32);
 * ``torch``: the pure-PyTorch twins in ``torch_layers.py``, used on CPUs and wherever TE is missing.
 
 ``config.backend`` chooses: ``auto`` (TE when it imports and CUDA is available), ``te`` or ``torch``.
@@ -34,17 +36,23 @@ from transformers.modeling_outputs import BaseModelOutputWithPast, CausalLMOutpu
 
 
 try:  # package import (models/llama3, exported checkpoints)
-    from .activation_recompute import call_layer, recomputes, refuse_delayed_scaling, validate_recompute_layers
+    from .activation_recompute import refuse_delayed_scaling, validate_recompute_layers
+    from .fused_residual_layer import FusedResidualTransformerLayer
     from .layer_autocast import LayerAutocast
+    from .layer_stack import run_layer_stack
     from .meta_init import materialize_meta_model
+    from .packed_rope import PackedQKVRotary, layers_rotary_pos_emb
     from .packing import PackedBatch, pack_inputs, token_mean_loss
     from .torch_layers import DotProductAttention as TorchDotProductAttention
     from .torch_layers import TransformerLayer as TorchTransformerLayer
     from .torch_layers import apply_rotary_pos_emb
 except ImportError:  # flat copy inside a recipe folder
-    from activation_recompute import call_layer, recomputes, refuse_delayed_scaling, validate_recompute_layers
+    from activation_recompute import refuse_delayed_scaling, validate_recompute_layers
+    from fused_residual_layer import FusedResidualTransformerLayer
     from layer_autocast import LayerAutocast
+    from layer_stack import run_layer_stack
     from meta_init import materialize_meta_model
+    from packed_rope import PackedQKVRotary, layers_rotary_pos_emb
     from packing import PackedBatch, pack_inputs, token_mean_loss
     from torch_layers import DotProductAttention as TorchDotProductAttention
     from torch_layers import TransformerLayer as TorchTransformerLayer
@@ -99,6 +107,12 @@ class NVLlamaConfig(LlamaConfig):
     # Megatron-style depth scaling: the attention output projection and the MLP down projection start with
     # std initializer_range / sqrt(2 * num_hidden_layers), so the residual stream's variance does not grow with depth.
     scale_output_projection_init: bool = False
+    # TE backend: build the layers as FusedResidualTransformerLayer (fused_residual_layer.py): the same parameters and
+    # numbers as TE's layer, with the residual adds done inside Triton RMSNorm kernels and queries and keys rotated
+    # in place inside the QKV projection's output (packed_rope.py) instead of TE's RoPE kernels. bf16/fp32 only: no
+    # FP8/FP4 layers, no context parallelism, no torch.compile. Ignored by the torch backend (an export loads
+    # anywhere). 1B shape on one GPU: docs/benchmarks.md.
+    fused_residual_norm: bool = False
 
     def __post_init__(self, **kwargs):
         super().__post_init__(**kwargs)
@@ -146,6 +160,8 @@ class NVLlamaConfig(LlamaConfig):
             bad = sorted({str(p) for p in self.layer_precision if p not in LAYER_PRECISIONS})
             if bad:
                 problems.append(f"layer_precision entries must be None, 'fp8' or 'fp4', got {bad}")
+        if self.fused_residual_norm and any(p is not None for p in self.layer_precision or []):
+            problems.append("fused_residual_norm layers compute in bf16/fp32 only: layer_precision must be all None")
         problems += validate_recompute_layers(self.recompute_layers, self.num_hidden_layers)
         if problems:
             raise ValueError("Invalid NVLlamaConfig: " + "; ".join(problems))
@@ -203,7 +219,9 @@ class NVLlamaRotaryEmbedding(nn.Module):
 
 
 def _build_layers(config: NVLlamaConfig, backend: str) -> nn.ModuleList:
-    layer_class = te.TransformerLayer if backend == "te" else TorchTransformerLayer
+    layer_class = TorchTransformerLayer
+    if backend == "te":
+        layer_class = FusedResidualTransformerLayer if config.fused_residual_norm else te.TransformerLayer
     std = config.initializer_range
     output_std = std / math.sqrt(2 * config.num_hidden_layers) if config.scale_output_projection_init else std
 
@@ -263,7 +281,10 @@ def _is_backend_layer(module: nn.Module) -> bool:
     origin = type(module).__module__
     return (
         hasattr(module, "reset_parameters")
-        and (origin.startswith("transformer_engine") or origin == TorchTransformerLayer.__module__)
+        and (
+            origin.startswith("transformer_engine")
+            or origin in (TorchTransformerLayer.__module__, FusedResidualTransformerLayer.__module__)
+        )
         and any(True for _ in module.parameters(recurse=False))
     )
 
@@ -272,7 +293,7 @@ class NVLlamaPreTrainedModel(PreTrainedModel):
     config_class = NVLlamaConfig
     config: NVLlamaConfig
     base_model_prefix = "model"
-    _no_split_modules = ["TransformerLayer"]
+    _no_split_modules = ["TransformerLayer", "FusedResidualTransformerLayer"]
     # gradient_checkpointing_enable() recomputes every layer's activations (see config.recompute_layers).
     supports_gradient_checkpointing = True
     # TE keeps FP8 scaling state in `_extra_state`; it is runtime bookkeeping, not part of a published model.
@@ -332,7 +353,11 @@ def _cached_layer_step(
     # Hugging Face caches hold [batch, heads, seq, head_dim]; the layers work in [batch, seq, heads, head_dim].
     keys, values = cache.update(k.transpose(1, 2), v.transpose(1, 2), layer_index)
     context = attend(q, keys.transpose(1, 2), values.transpose(1, 2))
-    hidden = hidden + _module_output(attention.proj(context))
+    attention_out = _module_output(attention.proj(context))
+    if isinstance(layer, FusedResidualTransformerLayer):  # its MLP adds the residual itself: (mlp_out, hidden + a)
+        mlp_out, hidden = layer.layernorm_mlp(attention_out, hidden)
+        return hidden + mlp_out
+    hidden = hidden + attention_out
     return hidden + _module_output(layer.layernorm_mlp(hidden))
 
 
@@ -346,6 +371,17 @@ class NVLlamaModel(NVLlamaPreTrainedModel):
         self.layers = _build_layers(config, self.backend)
         self.norm = RMSNorm(config.hidden_size, eps=config.rms_norm_eps)
         self.rotary_emb = NVLlamaRotaryEmbedding(config)
+        # The fused layers rotate queries and keys inside their QKV projections (packed_rope.py); TE's and the torch
+        # layers take the rotary table.
+        self.qkv_rotary = None
+        if self.backend == "te" and config.fused_residual_norm:
+            self.qkv_rotary = PackedQKVRotary.for_layers(
+                self.layers,
+                config.num_attention_heads,
+                config.head_dim,
+                "fused_residual_norm",
+                num_groups=config.num_key_value_heads,
+            )
         self.layer_precision = list(config.layer_precision or [None] * config.num_hidden_layers)
         self._recipes = {"fp8": fp8_recipe, "fp4": fp4_recipe}
         self.gradient_checkpointing = False  # set by Hugging Face's gradient_checkpointing_enable()
@@ -408,16 +444,18 @@ class NVLlamaModel(NVLlamaPreTrainedModel):
         hidden = self.embed_tokens(packed.input_ids)
         if self.training and torch.is_grad_enabled():
             refuse_delayed_scaling(self)  # recompute can also be switched on after construction
-        rotary = self.rotary_emb(packed.max_seqlen)
-        all_hidden = []
-        with self._layer_autocast() as regions:
-            for index, layer in enumerate(self.layers):
-                if output_hidden_states:
-                    all_hidden.append(hidden)
-                regions.enter_layer(index)
-                hidden = call_layer(
-                    layer, recomputes(self, index), hidden, rotary_pos_emb=rotary, **packed.layer_boundaries()
-                )
+        fused = self.backend == "te" and self.config.fused_residual_norm
+        rotary = layers_rotary_pos_emb(self.qkv_rotary, packed, self.rotary_emb(packed.max_seqlen), False, fused)
+        hidden, all_hidden = run_layer_stack(
+            self,
+            self.layers,
+            hidden,
+            self._layer_autocast(),
+            defer_residual=fused,
+            output_hidden_states=output_hidden_states,
+            rotary_pos_emb=rotary,
+            **packed.layer_boundaries(),
+        )
         hidden = self.norm(hidden)
         if output_hidden_states:
             all_hidden.append(hidden)
@@ -462,6 +500,8 @@ class NVLlamaModel(NVLlamaPreTrainedModel):
         def attend(q, k, v):
             return core(q, k, v, attention_mask=ignore_key, qkv_format="bshd")
 
+        if self.qkv_rotary is not None:  # these steps rotate with the cache's positions, not in the projection
+            self.qkv_rotary.set_batch(None)
         hidden = self.embed_tokens(input_ids)
         for index, layer in enumerate(self.layers):
             hidden = _cached_layer_step(

@@ -20,6 +20,7 @@ import torch
 import torch.distributed as dist
 from activation_recompute import recompute_note
 from distributed import Meshes
+from fused_layer_choice import keep_fused_layers_only_where_they_run
 from mixed_precision import computes_in_bf16, keeps_fp32_master_weights, mixed_precision_policy
 from modeling_llama_te import NVLlamaConfig, NVLlamaForCausalLM, resolve_backend
 from omegaconf import DictConfig, OmegaConf
@@ -81,6 +82,7 @@ def load_model_config(cfg: DictConfig) -> tuple[NVLlamaConfig, QuantizationPlan]
     fp8_config, fp4_config = OmegaConf.to_container(cfg.fp8_config), OmegaConf.to_container(cfg.fp4_config)
     plan = build_quantization(fp8_config, fp4_config, config.num_hidden_layers)
     config.layer_precision = plan.layer_precision
+    keep_fused_layers_only_where_they_run(cfg, config)  # FP8/FP4, CP or compile: TE's layers, one warning
     refuse_recomputed_delayed_scaling(plan, config.recompute_layers)
     config.validate_nv_llama()
     return config, plan

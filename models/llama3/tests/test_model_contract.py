@@ -70,6 +70,11 @@ def llama_contract(tie: bool, shape: str, rope: str) -> ModelContract:
             "meta_init.py",
             "activation_recompute.py",
             "layer_autocast.py",
+            "layer_stack.py",
+            "fused_residual_layer.py",
+            "residual_norm.py",
+            "te_attention.py",
+            "packed_rope.py",
         ),
         te_hf_model=partial(stock_model, TE_SHAPE, LLAMA3_ROPE, tie),
         te_checked_gradients=(

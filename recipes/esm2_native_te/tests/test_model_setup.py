@@ -187,7 +187,7 @@ def test_fused_layers_are_switched_off_where_they_cannot_run(monkeypatch, caplog
         plain, OmegaConf.to_container(plain.fp8_config), OmegaConf.to_container(plain.fp4_config)
     )
     assert as_is.fused_residual_norm  # on in the config, and kept by a run that can use it
-    with caplog.at_level(logging.WARNING, logger="model_families"):
+    with caplog.at_level(logging.WARNING, logger="fused_layer_choice"):
         config, _ = load_model_config(
             cfg, OmegaConf.to_container(cfg.fp8_config), OmegaConf.to_container(cfg.fp4_config)
         )

@@ -79,6 +79,8 @@ def test_lingua_asks_for_tokenizer_and_vocabulary():
 def test_l1_1b_shape():
     cfg = _compose("L1_1B_perf")
     assert cfg.dataset.max_seq_length == 8192 and cfg.dataset.input_format == "thd"
+    assert cfg.dataset.token_budget * cfg.grad_acc_steps == 32768  # issue 12's tokens per GPU per step
+    assert cfg.model_config_overrides.fused_residual_norm  # switched off for FP8 runs (test_model_setup.py)
     config = OmegaConf.load(RECIPE_DIR / cfg.model_tag / "config.json")
     assert (config.hidden_size, config.num_hidden_layers, config.vocab_size) == (2048, 16, 256)
 

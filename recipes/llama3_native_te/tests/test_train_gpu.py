@@ -1,7 +1,7 @@
 """The training scripts on GPUs with the TransformerEngine backend (skipped on machines without them).
 
-NOT YET RUN: written without GPU access; the first GPU run may need fixes. References are those of the CPU tests:
-the loss must fall below ln 4 (which needs context) and the export must load with the checkpoint's logits.
+References are those of the CPU tests: the loss must fall below ln 4 (which needs context) and the export must load
+with the checkpoint's logits.
 """
 
 import json
@@ -31,7 +31,11 @@ def assert_learned(metrics: list[dict], threshold: float = LOSS_THRESHOLD) -> No
         ("train_fsdp2.py", ["dataset.input_format=thd"]),
         # bf16 weights, sharded: CompensatedAdamW's Triton kernel updates each local shard.
         ("train_fsdp2.py", ["dataset.input_format=thd", "mixed_precision.fp32_master_weights=false"]),
+        # FusedResidualTransformerLayer (GQA, causal, RoPE in the QKV buffer), packed and padded input.
+        ("train_ddp.py", ["dataset.input_format=thd", "+model_config_overrides.fused_residual_norm=true"]),
+        ("train_fsdp2.py", ["dataset.input_format=bshd", "+model_config_overrides.fused_residual_norm=true"]),
     ],
+    ids=["ddp-bshd", "fsdp2-thd", "fsdp2-thd-bf16-weights", "ddp-thd-fused", "fsdp2-bshd-fused"],
 )
 def test_te_backend_learns(tmp_path, script, overrides):
     metrics = train_on_gpu(script, tmp_path, "+model_config_overrides.backend=te", *overrides)

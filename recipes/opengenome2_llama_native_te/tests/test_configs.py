@@ -99,6 +99,7 @@ def test_og2_1b_is_the_llama_3_2_1b_shape_untied_with_plain_rope():
     assert (config.num_attention_heads, config.num_key_value_heads) == (32, 8)
     assert config.rope_parameters["rope_type"] == "default" and not config.tie_word_embeddings
     assert config.embedding_init_std == 1.0 and config.scale_output_projection_init
+    assert config.fused_residual_norm  # switched off for FP8 runs (test_model_setup.py)
 
 
 def _fp8_layer_plan(monkeypatch, layers: int, keep: int):

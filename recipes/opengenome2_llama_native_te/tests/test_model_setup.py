@@ -8,6 +8,7 @@ them. A pre-hook on the first sharded layer's attention records what actually ar
 should. Also: bf16 weights without fp32 masters, fp32 on CPU by default, and only the ``fsdp2`` strategy.
 """
 
+import logging
 from pathlib import Path
 
 import model_setup
@@ -120,3 +121,30 @@ def test_weights_stay_gathered_between_micro_batches_only_when_asked(one_process
             built.train_model(input_ids=input_ids, labels=input_ids).loss.backward()
         sharded_after.append(all(isinstance(p, DTensor) for p in layer.parameters()))
     assert sharded_after == [not keep, True]
+
+
+@pytest.mark.parametrize(
+    ("run_overrides", "reason"),
+    [
+        (["fp8_config.enabled=true"], "FP8/FP4 layers"),
+        (["cp_size=2"], "context-parallel group"),
+        (["use_torch_compile=true"], "torch.compile"),
+    ],
+    ids=["fp8", "context-parallel", "torch-compile"],
+)
+def test_fused_layers_are_switched_off_where_they_cannot_run(monkeypatch, caplog, run_overrides, reason):
+    """A run that asks for fused_residual_norm (as the 1B configs do) and adds FP8 layers, context parallelism or
+    torch.compile gets TE's layers and one warning that says why, not the model's refusal."""
+    # The per-layer plan as on a GPU machine; TE's recipe object (not needed here) stands in as None.
+    monkeypatch.setattr(
+        model_setup,
+        "build_quantization",
+        lambda fp8, fp4, layers: model_setup.QuantizationPlan(["fp8"] * layers if fp8["enabled"] else None),
+    )
+    fused = "+model_config_overrides.fused_residual_norm=true"
+    as_is, _ = model_setup.load_model_config(bf16_cfg(fused))
+    assert as_is.fused_residual_norm  # kept by a run that can use it
+    with caplog.at_level(logging.WARNING):
+        config, _ = model_setup.load_model_config(bf16_cfg(fused, *run_overrides))
+    assert not config.fused_residual_norm
+    assert "fused_residual_norm is off for this run (TE's layers instead)" in caplog.text and reason in caplog.text

@@ -32,7 +32,11 @@ def evaluate(checkpoint, output, *args: str) -> dict:
 
 @pytest.mark.requires_te
 # bf16 weights: CompensatedAdamW's Triton kernel updates each FSDP2 shard.
-@pytest.mark.parametrize("weights", [[], ["mixed_precision.fp32_master_weights=false"]], ids=["fp32_master", "bf16"])
+@pytest.mark.parametrize(
+    "weights",
+    [[], ["mixed_precision.fp32_master_weights=false"], ["+model_config_overrides.fused_residual_norm=true"]],
+    ids=["fp32_master", "bf16", "fused_layers"],
+)
 def test_te_backend_fsdp2_learns_and_exports(tmp_path, weights):
     metrics = train(tmp_path, *GPU_STEPS, "+model_config_overrides.backend=te", *weights, cpu_only=False)
     assert metrics[-1]["loss"] < LOSS_THRESHOLD, [round(m["loss"], 3) for m in metrics]

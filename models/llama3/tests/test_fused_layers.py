@@ -1,0 +1,267 @@
+"""Llama with ``fused_residual_norm=True``: ``FusedResidualTransformerLayer`` with grouped-query, causal attention and
+the queries and keys rotated inside the QKV projection's buffer (packed_rope.py).
+
+On CPU: the rotation kernel (in Triton's interpreter) on the grouped layout against the model's own split and RoPE,
+and the config's refusals. On a GPU: the fused model gives TE's layers' numbers with the same weights (loss, logits,
+every gradient; BSHD and THD; with recompute), decodes through the KV cache as the full forward does, and trains
+from a meta-device init.
+"""
+
+import pytest
+import torch
+from llama_testing import LLAMA3_ROPE, TINY_GQA_SHAPE, hf_llama_config, make_batch, randomize_
+from transformers import LlamaForCausalLM
+from transformers.cache_utils import DynamicCache
+
+from llama3_te import packed_rope
+from llama3_te.convert import convert_llama_hf_to_te
+from llama3_te.modeling_llama_te import NVLlamaConfig, NVLlamaForCausalLM, NVLlamaRotaryEmbedding, _split_fused_qkv
+from llama3_te.torch_layers import apply_rotary_pos_emb
+
+
+# Three packed sequences of 4, 3 and 5 tokens: positions restart at every sequence.
+LENGTHS = [4, 3, 5]
+POSITIONS = torch.cat([torch.arange(n) for n in LENGTHS])
+CU_SEQLENS = torch.tensor([0, 4, 7, 12])
+
+
+@pytest.fixture
+def interpreted_kernel(monkeypatch):
+    """Build the kernel for Triton's CPU interpreter for this test (and forget it afterwards)."""
+    if not packed_rope.available():
+        pytest.skip("Triton is not installed")
+    monkeypatch.setenv("TRITON_INTERPRET", "1")
+    monkeypatch.setattr(packed_rope, "_KERNEL", None)
+
+
+def _config(**overrides) -> NVLlamaConfig:
+    return NVLlamaConfig(**{**TINY_GQA_SHAPE, "vocab_size": 256, "backend": "torch", **overrides})
+
+
+@pytest.mark.parametrize(("heads", "groups"), [(8, 2), (6, 3), (4, 4), (5, 1)], ids=["4-per-group", "2", "mha", "mqa"])
+def test_kernel_rotates_the_grouped_projection_as_the_model_rotates_its_split(interpreted_kernel, heads, groups):
+    """In place, on the [tokens, groups * (heads / groups + 2) * head_dim] buffer of TE's interleaved GQA projection:
+    the query and key heads come out as the model's own split (``_split_fused_qkv``) rotated by its torch RoPE, with
+    positions restarting at each sequence; the value heads are not touched."""
+    head_dim = 16
+    config = _config(
+        num_attention_heads=heads,
+        num_key_value_heads=groups,
+        hidden_size=heads * head_dim,
+        rope_parameters=LLAMA3_ROPE,
+    )
+    rotary = config_rotary_table(config, max(LENGTHS))
+    cos, sin = rotary_halves(rotary)
+    qkv = torch.randn(len(POSITIONS), (heads + 2 * groups) * head_dim)
+    buffer = qkv.clone()
+    out = packed_rope.rotate_query_key_(buffer, POSITIONS, cos, sin, heads, head_dim, groups)
+    assert out.data_ptr() == buffer.data_ptr()
+
+    q, k, v = _split_fused_qkv(qkv, config)
+    q_out, k_out, v_out = _split_fused_qkv(out, config)
+    torch.testing.assert_close(q_out, apply_rotary_pos_emb(q, rotary, "thd", cu_seqlens=CU_SEQLENS))
+    torch.testing.assert_close(k_out, apply_rotary_pos_emb(k, rotary, "thd", cu_seqlens=CU_SEQLENS))
+    assert torch.equal(v_out, v)
+    reference = packed_rope.rotate_query_key_reference(qkv, POSITIONS, cos, sin, heads, head_dim, groups)
+    torch.testing.assert_close(out, reference, rtol=0, atol=0)
+
+    # The backward turns the incoming gradient by the opposite angle: rotating back gives the buffer it started as.
+    leaf = qkv.clone().requires_grad_(True)
+    rotated = packed_rope.rotate_query_key_(leaf * 1.0, POSITIONS, cos, sin, heads, head_dim, groups)
+    rotated.backward(out.clone())
+    torch.testing.assert_close(leaf.grad, qkv, rtol=1e-5, atol=1e-5)
+
+
+def config_rotary_table(config: NVLlamaConfig, length: int) -> torch.Tensor:
+    """The model's own rotary table (Llama 3 frequency scaling included), [length, 1, 1, head_dim]."""
+    return NVLlamaRotaryEmbedding(config)(length)
+
+
+def rotary_halves(table: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    angles = table.reshape(table.shape[0], -1)[:, : table.shape[-1] // 2]
+    return torch.cos(angles).contiguous(), torch.sin(angles).contiguous()
+
+
+def test_grouped_buffers_of_the_wrong_width_are_refused_with_the_layout(interpreted_kernel):
+    cos, sin = rotary_halves(config_rotary_table(_config(), max(LENGTHS)))
+    with pytest.raises(ValueError, match=r"\[tokens, 2 \* \(2 \+ 2\) \* 16\] QKV buffer, got \(12, 192\)"):
+        packed_rope.rotate_query_key_(torch.zeros(12, 192), POSITIONS, cos, sin, 4, 16, 2)
+    with pytest.raises(ValueError, match="4 query heads cannot be split into 3 key/value groups"):
+        packed_rope.PackedQKVRotary(4, 16, num_groups=3)
+
+
+def test_fused_layers_refuse_fp8_layers_in_the_config():
+    with pytest.raises(ValueError, match="fused_residual_norm layers compute in bf16/fp32 only"):
+        _config(fused_residual_norm=True, layer_precision=["fp8", None])
+
+
+def test_the_torch_backend_ignores_the_switch_so_an_export_loads_anywhere():
+    """A checkpoint trained with the fused layers carries ``fused_residual_norm: true``; on a machine without TE it
+    builds the torch layers, with the same keys, and runs."""
+    model = NVLlamaForCausalLM(_config(fused_residual_norm=True))
+    plain = NVLlamaForCausalLM(_config())
+    assert model.model.qkv_rotary is None
+    assert sorted(model.state_dict()) == sorted(plain.state_dict())
+    model.load_state_dict(plain.state_dict())
+    input_ids, attention_mask, labels = make_batch([9, 6])
+    torch.testing.assert_close(
+        model(input_ids, attention_mask=attention_mask, labels=labels).loss,
+        plain(input_ids, attention_mask=attention_mask, labels=labels).loss,
+    )
+
+
+# ------------------------------------------------------------------------------------------------------ GPU
+
+# Llama 3.2 1B's head shape (head_dim 64, 4 query heads per key/value group) at a small width and depth.
+GPU_SHAPE = {
+    "num_hidden_layers": 3,
+    "hidden_size": 512,
+    "num_attention_heads": 8,
+    "num_key_value_heads": 2,
+    "intermediate_size": 1024,
+}
+
+
+def _relative_error(actual: torch.Tensor, expected: torch.Tensor) -> float:
+    return ((actual.float() - expected.float()).norm() / expected.float().norm().clamp(min=1e-12)).item()
+
+
+def _three_models():
+    """One random stock Llama's weights as the torch layers, TE's layers and the fused layers, on the GPU."""
+    torch.manual_seed(0)
+    stock = randomize_(LlamaForCausalLM(hf_llama_config(LLAMA3_ROPE, **GPU_SHAPE)))
+    return {
+        "torch": convert_llama_hf_to_te(stock, backend="torch").cuda(),
+        "te": convert_llama_hf_to_te(stock, backend="te").cuda(),
+        "fused": convert_llama_hf_to_te(stock, backend="te", fused_residual_norm=True).cuda(),
+    }
+
+
+def _batch(input_format: str) -> dict:
+    input_ids, attention_mask, labels = make_batch([200, 130, 77, 250, 31], seed=1)
+    batch = {"input_ids": input_ids, "attention_mask": attention_mask, "labels": labels}
+    if input_format == "thd":
+        real = attention_mask.bool()
+        lengths = attention_mask.sum(1)
+        cu = torch.nn.functional.pad(lengths.cumsum(0), (1, 0)).to(torch.int32)
+        batch = {
+            "input_ids": input_ids[real][None],
+            "labels": labels[real][None],
+            "cu_seq_lens_q": cu,
+            "cu_seq_lens_k": cu,
+            "max_length_q": int(lengths.max()),
+            "max_length_k": int(lengths.max()),
+        }
+    return {k: v.cuda() if isinstance(v, torch.Tensor) else v for k, v in batch.items()}
+
+
+@pytest.mark.requires_gpu
+@pytest.mark.requires_te
+@pytest.mark.parametrize("recompute", [False, True], ids=["keep", "recompute"])
+@pytest.mark.parametrize("input_format", ["bshd", "thd"])
+@pytest.mark.parametrize("precision", ["bf16-autocast", "fp32"])
+def test_fused_layers_compute_what_the_other_layers_compute(precision, input_format, recompute, monkeypatch):
+    """Loss, logits and every gradient of the fused layers against the pure-PyTorch layers with the same weights,
+    and against TE's layers.
+
+    In float32 the fused layers do the torch layers' arithmetic (float32 GEMMs, norms and RoPE; attention by TE's
+    unfused float32 path), so they agree to float32 accumulation-order noise. TE's own layers are measured ~1e-3 off
+    in float32 here (their GEMMs do not follow torch's TF32 switch), which is why float32 is compared with the
+    torch layers. In bf16 each is a few roundings per layer from the others: the model contract's TE-vs-torch
+    tolerances (2e-2 on logits and loss, 5e-2 on gradients).
+    """
+    from llama3_te.fused_residual_layer import FusedResidualTransformerLayer
+
+    monkeypatch.setattr(torch.backends.cuda.matmul, "allow_tf32", False)  # float32 means float32 here
+    models = _three_models()
+    assert all(isinstance(layer, FusedResidualTransformerLayer) for layer in models["fused"].model.layers)
+    assert not any(isinstance(layer, FusedResidualTransformerLayer) for layer in models["te"].model.layers)
+    assert sorted(models["fused"].state_dict()) == sorted(models["te"].state_dict())  # checkpoints load either way
+    models["fused"].config.recompute_layers = GPU_SHAPE["num_hidden_layers"] if recompute else 0
+    batch = _batch(input_format)
+    autocast = precision == "bf16-autocast"
+    real = batch["attention_mask"].bool() if input_format == "bshd" else slice(None)
+    results = {}
+    for name, model in models.items():
+        model.train()
+        with torch.autocast("cuda", dtype=torch.bfloat16, enabled=autocast):
+            output = model(**batch)
+        output.loss.backward()
+        grads = {n: p.grad for n, p in model.named_parameters()}
+        results[name] = (output.loss.detach(), output.logits[real].detach(), grads)
+
+    def errors(name: str, reference: str) -> dict[str, float]:
+        (loss, logits, grads), (ref_loss, ref_logits, ref_grads) = results[name], results[reference]
+        assert all(ref_grads[n] is not None and g is not None for n, g in grads.items())
+        return {
+            "loss": abs(loss.item() - ref_loss.item()) / abs(ref_loss.item()),
+            "logits": _relative_error(logits, ref_logits),
+            "grads": max(_relative_error(g, ref_grads[n]) for n, g in grads.items()),
+        }
+
+    measured = {pair: errors(*pair) for pair in (("fused", "torch"), ("te", "torch"), ("fused", "te"))}
+    print(precision, input_format, recompute, measured)  # the numbers, for the record (pytest -s)
+    if autocast:
+        limits = {"loss": 2e-2, "logits": 2e-2, "grads": 5e-2}
+        checked = (("fused", "torch"), ("fused", "te"))
+    else:
+        limits = {"loss": 1e-5, "logits": 1e-4, "grads": 1e-3}
+        checked = (("fused", "torch"),)
+    for pair in checked:
+        for quantity, limit in limits.items():
+            assert measured[pair][quantity] < limit, (pair, quantity, measured)
+
+
+@pytest.mark.requires_gpu
+@pytest.mark.requires_te
+def test_fused_model_decodes_through_the_cache_as_its_full_forward():
+    """Prefill and one-token steps through the KV cache (the cached path runs the fused layer's own sub-modules,
+    with the rotation in the projection switched off) give the full forward's logits, and greedy generation picks
+    TE's layers' tokens."""
+    models = _three_models()
+    plain, fused = models["te"].eval(), models["fused"].eval()
+    input_ids, attention_mask, _ = make_batch([60, 41], seed=3, padding_side="left")
+    input_ids, attention_mask = input_ids.cuda(), attention_mask.cuda()
+    prefill = 40
+    with torch.no_grad():
+        full = fused(input_ids, attention_mask=attention_mask).logits.float()
+        cache = DynamicCache(config=fused.config)
+        steps = [fused(input_ids[:, :prefill], attention_mask=attention_mask[:, :prefill], past_key_values=cache)]
+        for t in range(prefill, input_ids.shape[1]):
+            steps.append(
+                fused(input_ids[:, t : t + 1], attention_mask=attention_mask[:, : t + 1], past_key_values=cache)
+            )
+        # A full forward after cached steps rotates in the projection again.
+        again = fused(input_ids, attention_mask=attention_mask).logits.float()
+    cached = torch.cat([step.logits.float() for step in steps], dim=1)
+    real = attention_mask.bool()
+    assert _relative_error(cached[real], full[real]) < 1e-3
+    torch.testing.assert_close(again, full)
+    prompts = {"input_ids": input_ids[:, :prefill], "attention_mask": attention_mask[:, :prefill]}
+    kwargs = {"max_new_tokens": 16, "do_sample": False, "pad_token_id": 0, "eos_token_id": None}
+    with torch.no_grad():
+        assert torch.equal(fused.generate(**prompts, **kwargs), plain.generate(**prompts, **kwargs))
+
+
+@pytest.mark.requires_gpu
+@pytest.mark.requires_te
+def test_fused_layers_train_from_a_meta_device_init():
+    config = NVLlamaConfig(**GPU_SHAPE, vocab_size=256, backend="te", fused_residual_norm=True)
+    with torch.device("meta"):
+        model = NVLlamaForCausalLM(config)
+    model.init_empty_weights()
+    layer = model.model.layers[0]
+    assert torch.equal(layer.self_attention.layernorm_qkv.layer_norm_weight, torch.ones(512, device="cuda"))
+    assert layer.layernorm_mlp.fc1_weight.std().item() == pytest.approx(config.initializer_range, rel=0.1)
+    model.train()
+    batch = _batch("thd")
+    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3)
+    losses = []
+    for _ in range(8):
+        with torch.autocast("cuda", dtype=torch.bfloat16):
+            loss = model(**batch).loss
+        loss.backward()
+        optimizer.step()
+        optimizer.zero_grad()
+        losses.append(loss.item())
+    assert losses[-1] < losses[0] - 0.5, losses  # learns the one batch

@@ -1,0 +1,364 @@
+# Copied from common/fused_residual_layer.py — edit the source, then run ci/check_copies.py --fix
+"""A pre-norm encoder layer for packed (THD) input whose residual adds live in the norm kernels.
+
+``FusedResidualTransformerLayer`` computes what ``te.TransformerLayer(attn_input_format="thd",
+qkv_weight_interleaved=True, ...)`` computes for the two pre-norm layers this project trains with it, with the same
+parameter names and state-dict keys, so that a model can switch between the two and checkpoints load either way:
+
+* AMPLIFY's: ``normalization="RMSNorm", activation="swiglu", bias=False``;
+* ESM-2's: ``normalization="LayerNorm", activation="gelu", bias=True`` (GELU as TE's, tanh-approximated);
+* Llama's: AMPLIFY's with grouped-query attention (``num_gqa_groups``) and causal masking
+  (``self_attn_mask_type="padding_causal"``).
+
+    self_attention.layernorm_qkv.{layer_norm_weight, layer_norm_bias, weight, bias}, self_attention.proj.{weight,
+    bias}, layernorm_mlp.{layer_norm_weight, layer_norm_bias, fc1_weight, fc1_bias, fc2_weight, fc2_bias}
+    (the biases where the layer has them, and TE's ``_extra_state`` keys)
+
+What differs is how the work is split into kernels (residual_norm.py): TE's layer spends a separate elementwise
+kernel on each residual add in the forward and on each sum of two gradients in the backward (four per layer, each a
+full pass over [tokens, hidden]; with biases, the forward adds are TE's compiled bias-dropout-add). Here the
+attention's residual add is done by the FFN norm's kernel (which writes the sum and its normalised form in one pass)
+and both backward sums by the norms' backward kernels; the layer's last add is left to the next layer's first norm
+kernel when the caller chains layers with ``defer_residual`` (see ``forward``), else it is a separate kernel. The
+GEMMs are cuBLAS's, as TE's are in bf16: without biases torch's; with biases TE's ``general_gemm``, so that each bias
+is added by its GEMM's epilogue and its gradient summed by the weight-gradient GEMM's epilogue (as ``te.Linear``
+does; torch's ``F.linear`` would spend a reduction kernel on every bias gradient). GELU runs in the fc1 GEMM's
+epilogue and its derivative in the fc2 data-gradient GEMM's (as ``te.LayerNormMLP`` does with
+``bias_gelu_nvfusion`` off); SwiGLU is TE's kernel. Attention is TE's fused attention on query/key/value views of
+the QKV projection (te_attention.py). Rotary embeddings must be applied inside the QKV projection (packed_rope.py's
+forward hook on ``self_attention.layernorm_qkv``, which this layer's projection returns as ``(qkv, residual)``).
+
+Only bf16/fp32 compute: no FP8 or FP4 (those need TE's modules), no dropout, no context parallelism. The models that
+offer this layer (``fused_residual_norm`` in AMPLIFY's, ESM-2's and Llama's configs) refuse those combinations before
+building it.
+"""
+
+from collections.abc import Callable
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+
+try:  # package import (models/*, exported checkpoints)
+    from .residual_norm import add_layer_norm, add_rms_norm, layer_norm_keep_input, rms_norm_keep_input
+    from .te_attention import SplitPackedQKV
+    from .torch_layers import LayerNormLinear, LayerNormMLP, Linear
+except ImportError:  # flat copy inside a recipe folder
+    from residual_norm import add_layer_norm, add_rms_norm, layer_norm_keep_input, rms_norm_keep_input
+    from te_attention import SplitPackedQKV
+    from torch_layers import LayerNormLinear, LayerNormMLP, Linear
+
+try:
+    import transformer_engine.pytorch as te
+    import transformer_engine_torch as tex
+    from transformer_engine.pytorch.cpp_extensions import general_gemm
+except Exception:  # ImportError, or a broken CUDA install raising at import; the layer refuses to build then
+    te = tex = general_gemm = None
+
+NORMALIZATIONS = ("RMSNorm", "LayerNorm")
+ACTIVATIONS = ("swiglu", "gelu")
+
+
+def _rows(tensor: torch.Tensor) -> torch.Tensor:
+    return tensor.reshape(-1, tensor.shape[-1])
+
+
+def _cast(tensor: torch.Tensor | None, dtype: torch.dtype) -> torch.Tensor | None:
+    """A parameter in the compute dtype (a differentiable cast: fp32 master weights get their gradient in fp32)."""
+    return None if tensor is None else tensor.to(dtype)
+
+
+class _SwiGLU(torch.autograd.Function):
+    """TE's SwiGLU kernels (``silu(first half) * second half``, as ``te.LayerNormMLP`` runs them)."""
+
+    @staticmethod
+    def forward(ctx, x):
+        ctx.save_for_backward(x)
+        return tex.swiglu(x, None)
+
+    @staticmethod
+    def backward(ctx, grad):
+        (x,) = ctx.saved_tensors
+        return tex.dswiglu(grad.contiguous(), x, None)
+
+
+class _LinearWithBias(torch.autograd.Function):
+    """``x @ weight.T + bias`` with the bias in the GEMM's epilogue and its gradient in the weight-gradient GEMM's
+    (``general_gemm``'s layouts: "TN" forward, "NN" data gradient, "NT" weight gradient, as ``te.Linear``)."""
+
+    @staticmethod
+    def forward(ctx, x, weight, bias):
+        rows = _rows(x)
+        out, *_ = general_gemm(weight, rows, out_dtype=x.dtype, bias=bias)
+        ctx.save_for_backward(rows, weight, bias)  # the bias only sets the shape and dtype of its gradient
+        ctx.input_shape = x.shape
+        return out.view(*x.shape[:-1], out.shape[-1])
+
+    @staticmethod
+    def backward(ctx, grad):
+        rows, weight, bias = ctx.saved_tensors
+        grad = _rows(grad).contiguous()
+        dx, *_ = general_gemm(weight, grad, out_dtype=rows.dtype, layout="NN", grad=True)
+        dw, db, *_ = general_gemm(rows, grad, out_dtype=weight.dtype, layout="NT", bias=bias, grad=True)
+        return dx.view(ctx.input_shape), dw, db
+
+
+class _GeluMLP(torch.autograd.Function):
+    """``fc2(gelu(fc1(x)))`` in two GEMMs: fc1's bias and GELU (tanh) in fc1's epilogue, which also writes the
+    pre-activation for the backward; fc2's bias in fc2's. Backward: dGELU in fc2's data-gradient epilogue, both bias
+    gradients in the weight-gradient epilogues (what ``te.LayerNormMLP`` runs in bf16 with ``bias_gelu_nvfusion``
+    off). The biases may be None."""
+
+    @staticmethod
+    def forward(ctx, x, fc1_weight, fc1_bias, fc2_weight, fc2_bias):
+        rows = _rows(x)
+        activated, _, pre_activation, _ = general_gemm(fc1_weight, rows, out_dtype=x.dtype, bias=fc1_bias, gelu=True)
+        out, *_ = general_gemm(fc2_weight, activated, out_dtype=x.dtype, bias=fc2_bias)
+        ctx.save_for_backward(rows, fc1_weight, fc1_bias, pre_activation, activated, fc2_weight, fc2_bias)
+        ctx.input_shape = x.shape
+        return out.view(x.shape)
+
+    @staticmethod
+    def backward(ctx, grad):
+        rows, fc1_weight, fc1_bias, pre_activation, activated, fc2_weight, fc2_bias = ctx.saved_tensors
+        grad = _rows(grad).contiguous()
+        d_pre_activation, *_ = general_gemm(
+            fc2_weight, grad, out_dtype=rows.dtype, layout="NN", grad=True, gelu=True, gelu_in=pre_activation
+        )
+        fc2_dw, fc2_db, *_ = general_gemm(
+            activated, grad, out_dtype=fc2_weight.dtype, layout="NT", bias=fc2_bias, grad=True
+        )
+        dx, *_ = general_gemm(fc1_weight, d_pre_activation, out_dtype=rows.dtype, layout="NN", grad=True)
+        fc1_dw, fc1_db, *_ = general_gemm(
+            rows, d_pre_activation, out_dtype=fc1_weight.dtype, layout="NT", bias=fc1_bias, grad=True
+        )
+        return dx.view(ctx.input_shape), fc1_dw, fc1_db, fc2_dw, fc2_db
+
+
+def _linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+    if bias is None:
+        return F.linear(x, weight)
+    return _LinearWithBias.apply(x, _cast(weight, x.dtype), _cast(bias, x.dtype))
+
+
+def _norm_keep_input(norm, x: torch.Tensor):
+    """``(norm(x), x)`` for a module with TE's norm parameters (``layer_norm_bias`` is None for RMSNorm)."""
+    if norm.layer_norm_bias is None:
+        return rms_norm_keep_input(x, norm.layer_norm_weight, norm.eps)
+    return layer_norm_keep_input(x, norm.layer_norm_weight, norm.layer_norm_bias, norm.eps)
+
+
+def _add_norm(norm, a: torch.Tensor, residual: torch.Tensor):
+    """``(norm(a + residual), a + residual)``."""
+    if norm.layer_norm_bias is None:
+        return add_rms_norm(a, residual, norm.layer_norm_weight, norm.eps)
+    return add_layer_norm(a, residual, norm.layer_norm_weight, norm.layer_norm_bias, norm.eps)
+
+
+class NormQKV(LayerNormLinear):
+    """``layernorm_qkv``: the norm, then the fused QKV projection. Returns ``(qkv, residual)``.
+
+    ``residual`` is what the layer's residual path adds to attention's output: the input itself, handed back through
+    the norm so that its gradient joins the norm's in one backward kernel, or, given ``pending`` (the previous layer's
+    last residual, not yet added), the sum ``x + pending``, formed by the norm's kernel.
+    """
+
+    def forward(self, x: torch.Tensor, pending: torch.Tensor | None = None):
+        normed, residual = _norm_keep_input(self, x) if pending is None else _add_norm(self, x, pending)
+        return _linear(normed, self.weight, self.bias), residual
+
+
+class EpilogueLinear(Linear):
+    """``proj``: ``te.Linear``'s parameters; a bias is added (and its gradient summed) by the GEMM epilogues."""
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return _linear(x, self.weight, self.bias)
+
+
+class AddNormMLP(LayerNormMLP):
+    """``layernorm_mlp``: ``h = attention_out + residual``, the norm, fc1, the activation, fc2. Returns
+    ``(mlp_out, h)``."""
+
+    def forward(self, attention_out: torch.Tensor, residual: torch.Tensor):
+        normed, total = _add_norm(self, attention_out, residual)
+        if self.activation == "gelu":
+            dtype = normed.dtype
+            weights = (self.fc1_weight, self.fc1_bias, self.fc2_weight, self.fc2_bias)
+            return _GeluMLP.apply(normed, *(_cast(w, dtype) for w in weights)), total
+        hidden = _SwiGLU.apply(_linear(normed, self.fc1_weight, self.fc1_bias))
+        return _linear(hidden, self.fc2_weight, self.fc2_bias), total
+
+
+class _SelfAttention(nn.Module):
+    """``self_attention``: ``layernorm_qkv`` -> TE's ``core_attention`` -> ``proj`` (TE's module names).
+
+    The projection's output is laid out as TE's interleaved one: per key/value group, its query heads, then its key
+    and value heads ([tokens, groups, heads / groups + 2, head_dim]; [tokens, heads, 3, head_dim] without GQA)."""
+
+    def __init__(
+        self, hidden_size, num_heads, num_groups, head_dim, eps, mask_type, init_method, output_init, layer_number, kw
+    ):
+        super().__init__()
+        self.num_heads, self.num_groups, self.head_dim, self.mask_type = num_heads, num_groups, head_dim, mask_type
+        qkv_size = (num_heads + 2 * num_groups) * head_dim
+        self.layernorm_qkv = NormQKV(hidden_size, qkv_size, eps=eps, init_method=init_method, **kw)
+        self.core_attention = te.DotProductAttention(
+            num_heads,
+            head_dim,
+            num_gqa_groups=num_groups,
+            attention_dropout=0.0,
+            qkv_format="thd",
+            attn_mask_type=mask_type,
+            layer_number=layer_number,
+        )
+        self.proj = EpilogueLinear(num_heads * head_dim, hidden_size, init_method=output_init, **kw)
+
+    def split_qkv(self, qkv: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """Query [tokens, heads, head_dim], key and value [tokens, groups, head_dim] for TE's attention.
+
+        Without GQA they are views of the projection (``SplitPackedQKV``: TE runs its packed-QKV kernels, and their
+        gradient is attention's dQKV buffer itself). With GQA a group's query heads are not evenly spaced in the
+        buffer, so each of the three is made contiguous (one copy forward, one concatenation backward), as TE's own
+        layer does for GQA."""
+        tokens, groups, per_group = qkv.shape[0], self.num_groups, self.num_heads // self.num_groups
+        if per_group == 1:
+            return SplitPackedQKV.apply(qkv.view(tokens, groups, 3, self.head_dim), -2)
+        query, key, value = qkv.view(tokens, groups, per_group + 2, self.head_dim).split([per_group, 1, 1], dim=2)
+        return (
+            query.reshape(tokens, self.num_heads, self.head_dim),
+            key.reshape(tokens, groups, self.head_dim).contiguous(),
+            value.reshape(tokens, groups, self.head_dim).contiguous(),
+        )
+
+
+class FusedResidualTransformerLayer(nn.Module):
+    """See the module docstring. Takes ``te.TransformerLayer``'s constructor and forward arguments (those that
+    AMPLIFY's, ESM-2's and Llama's layers use) and refuses settings it does not implement."""
+
+    def __init__(
+        self,
+        hidden_size: int,
+        ffn_hidden_size: int,
+        num_attention_heads: int,
+        kv_channels: int | None = None,
+        num_gqa_groups: int | None = None,
+        layernorm_epsilon: float = 1e-5,
+        hidden_dropout: float = 0.0,
+        attention_dropout: float = 0.0,
+        init_method: Callable | None = None,
+        output_layer_init_method: Callable | None = None,
+        layer_number: int | None = None,
+        self_attn_mask_type: str = "padding",
+        normalization: str = "RMSNorm",
+        activation: str = "swiglu",
+        bias: bool = False,
+        qkv_weight_interleaved: bool = True,
+        attn_input_format: str = "thd",
+        params_dtype=None,
+        device=None,
+        **unused,
+    ):
+        super().__init__()
+        if te is None:
+            raise RuntimeError("FusedResidualTransformerLayer needs TransformerEngine (attention, GEMMs, SwiGLU)")
+        allowed = {
+            "normalization": (normalization, NORMALIZATIONS),
+            "activation": (activation, ACTIVATIONS),
+            "qkv_weight_interleaved": (qkv_weight_interleaved, (True,)),
+            "attn_input_format": (attn_input_format, ("thd",)),
+            "self_attn_mask_type": (self_attn_mask_type, ("padding", "padding_causal")),
+            "hidden_dropout": (hidden_dropout, (0.0,)),
+            "attention_dropout": (attention_dropout, (0.0,)),
+        }
+        unsupported = [
+            f"{name}={value!r} (needs {' or '.join(map(repr, choices))})"
+            for name, (value, choices) in allowed.items()
+            if value not in choices
+        ]
+        if unsupported:
+            raise ValueError("FusedResidualTransformerLayer does not support " + ", ".join(unsupported))
+        num_groups = num_gqa_groups or num_attention_heads
+        if num_attention_heads % num_groups:
+            raise ValueError(f"num_attention_heads ({num_attention_heads}) must be a multiple of num_gqa_groups")
+        head_dim = kv_channels or hidden_size // num_attention_heads
+        kw = {"params_dtype": params_dtype, "device": device, "bias": bias, "normalization": normalization}
+        self.self_attention = _SelfAttention(
+            hidden_size,
+            num_attention_heads,
+            num_groups,
+            head_dim,
+            layernorm_epsilon,
+            self_attn_mask_type,
+            init_method,
+            output_layer_init_method,
+            layer_number,
+            kw,
+        )
+        self.layernorm_mlp = AddNormMLP(
+            hidden_size,
+            ffn_hidden_size,
+            eps=layernorm_epsilon,
+            activation=activation,
+            init_method=init_method,
+            output_layer_init_method=output_layer_init_method,
+            **kw,
+        )
+
+    def set_context_parallel_group(self, cp_group, cp_global_ranks=None, cp_stream=None, cp_comm_type="p2p") -> None:
+        if cp_group is not None and torch.distributed.get_world_size(cp_group) > 1:
+            raise ValueError("FusedResidualTransformerLayer does not support context parallelism; use TE's layer")
+
+    def forward(
+        self,
+        hidden_states: torch.Tensor,
+        attention_mask: torch.Tensor | None = None,
+        rotary_pos_emb: torch.Tensor | None = None,
+        cu_seqlens_q: torch.Tensor | None = None,
+        cu_seqlens_kv: torch.Tensor | None = None,
+        max_seqlen_q: int | None = None,
+        max_seqlen_kv: int | None = None,
+        cu_seqlens_q_padded: torch.Tensor | None = None,
+        cu_seqlens_kv_padded: torch.Tensor | None = None,
+        pending_residual: torch.Tensor | None = None,
+        defer_residual: bool = False,
+        **unused,
+    ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
+        """TE's layer's forward, plus a way to leave the last residual add to the next layer's first norm kernel.
+
+        The layer's output is ``mlp_out + h`` (``h`` = the input plus attention's output). With ``defer_residual``
+        it returns ``(mlp_out, h)`` unsummed, and the next layer, called with ``hidden_states=mlp_out,
+        pending_residual=h``, adds them inside its first norm (one pass over [tokens, hidden] less per layer). Whoever
+        receives the pair from the last layer adds it.
+        """
+        if rotary_pos_emb is not None:
+            raise ValueError(
+                "FusedResidualTransformerLayer applies no rotary table itself: rotate inside the QKV projection "
+                "(packed_rope.PackedQKVRotary) and call it with rotary_pos_emb=None"
+            )
+        if cu_seqlens_q is None or max_seqlen_q is None:
+            raise ValueError(
+                "FusedResidualTransformerLayer takes packed (THD) input: pass cu_seqlens_q and max_seqlen_q"
+            )
+        if torch.is_autocast_enabled(hidden_states.device.type):  # as TE's layer: activations in the autocast dtype
+            dtype = torch.get_autocast_dtype(hidden_states.device.type)
+            hidden_states = hidden_states.to(dtype)
+            pending_residual = pending_residual.to(dtype) if pending_residual is not None else None
+        attention = self.self_attention
+        qkv, residual = attention.layernorm_qkv(hidden_states, pending_residual)
+        query, key, value = attention.split_qkv(qkv)
+        context = attention.core_attention(
+            query,
+            key,
+            value,
+            qkv_format="thd",
+            attn_mask_type=attention.mask_type,
+            cu_seqlens_q=cu_seqlens_q,
+            cu_seqlens_kv=cu_seqlens_kv if cu_seqlens_kv is not None else cu_seqlens_q,
+            cu_seqlens_q_padded=cu_seqlens_q_padded,
+            cu_seqlens_kv_padded=cu_seqlens_kv_padded if cu_seqlens_kv_padded is not None else cu_seqlens_q_padded,
+            max_seqlen_q=max_seqlen_q,
+            max_seqlen_kv=max_seqlen_kv if max_seqlen_kv is not None else max_seqlen_q,
+        )
+        mlp_out, total = self.layernorm_mlp(attention.proj(context), residual)
+        return (mlp_out, total) if defer_residual else total + mlp_out
