@@ -93,9 +93,15 @@ class PackedBatch:
         the last token of every sequence (and alignment padding) gets -100."""
         flat = labels.reshape(-1) if self.padded_shape is None else labels.reshape(-1)[self.token_index]
         shifted = F.pad(flat[1:], (0, 1), value=IGNORE_INDEX)
-        last_of_sequence = (self.cu_seqlens[1:] - 1).long()
-        last_of_sequence = last_of_sequence[(last_of_sequence >= 0) & (last_of_sequence < flat.numel())]
-        shifted = shifted.index_fill(0, last_of_sequence, IGNORE_INDEX)
+        # Mark each sequence's last token without a boolean-mask index (that would be a nonzero(), a host sync that
+        # drains the GPU's queue once per forward): slot i + 1 of a buffer two longer than the labels stands for
+        # token i, and ends outside the labels (an empty first sequence: -1; alignment padding: >= numel) are
+        # clamped into the two spare slots, which are dropped.
+        numel = flat.numel()
+        slot = self.cu_seqlens[1:].long().clamp(0, numel + 1)  # (last token of the sequence) + 1
+        is_last = torch.zeros(numel + 2, dtype=torch.bool, device=flat.device)
+        is_last = is_last.index_fill(0, slot, True)[1 : numel + 1]
+        shifted = shifted.masked_fill(is_last, IGNORE_INDEX)
         extra = self.input_ids.shape[0] - shifted.shape[0]
         return F.pad(shifted, (0, extra), value=IGNORE_INDEX) if extra else shifted
 
