@@ -34,15 +34,17 @@ from transformers.modeling_outputs import BaseModelOutput, MaskedLMOutput
 
 
 try:  # package import (models/geneformer, exported checkpoints)
-    from .activation_recompute import call_layer, recomputes, refuse_delayed_scaling, validate_recompute_layers
+    from .activation_recompute import refuse_delayed_scaling, validate_recompute_layers
     from .layer_autocast import LayerAutocast
+    from .layer_stack import run_layer_stack
     from .meta_init import materialize_meta_model
     from .packing import IGNORE_INDEX, PackedBatch, pack_inputs, token_mean_loss
     from .te_attention import split_packed_qkv
     from .torch_layers import TransformerLayer as TorchTransformerLayer
 except ImportError:  # flat copy inside a recipe folder
-    from activation_recompute import call_layer, recomputes, refuse_delayed_scaling, validate_recompute_layers
+    from activation_recompute import refuse_delayed_scaling, validate_recompute_layers
     from layer_autocast import LayerAutocast
+    from layer_stack import run_layer_stack
     from meta_init import materialize_meta_model
     from packing import IGNORE_INDEX, PackedBatch, pack_inputs, token_mean_loss
     from te_attention import split_packed_qkv
@@ -331,13 +333,15 @@ class NVGeneformerModel(NVGeneformerPreTrainedModel):
         hidden = self.embeddings(packed, token_type_ids)
         if self.training and torch.is_grad_enabled():
             refuse_delayed_scaling(self)  # recompute can also be switched on after construction
-        all_hidden = []
-        with self._layer_autocast() as regions:
-            for index, layer in enumerate(self.encoder.layers):
-                if output_hidden_states:
-                    all_hidden.append(hidden)
-                regions.enter_layer(index)
-                hidden = call_layer(layer, recomputes(self, index), hidden, **packed.layer_boundaries())
+        hidden, all_hidden = run_layer_stack(
+            self,
+            self.encoder.layers,
+            hidden,
+            self._layer_autocast(),
+            defer_residual=False,
+            output_hidden_states=output_hidden_states,
+            **packed.layer_boundaries(),
+        )
         if output_hidden_states:
             all_hidden.append(hidden)
         return hidden, (tuple(all_hidden) if output_hidden_states else None)

@@ -32,8 +32,8 @@ import torch
 logger = logging.getLogger(__name__)
 
 # Files a modeling file imports from beside it; an export ships those of them that sit beside it (te_attention.py
-# belongs to the models whose TE attention takes packed QKV, activation_recompute.py to all but ViT, packed_rope.py,
-# fused_residual_layer.py, residual_norm.py and layer_stack.py to ESM-2, AMPLIFY and Llama, layer_autocast.py to
+# belongs to the models whose TE attention takes packed QKV, activation_recompute.py and layer_stack.py to all but
+# ViT, packed_rope.py, fused_residual_layer.py and residual_norm.py to ESM-2, AMPLIFY and Llama, layer_autocast.py to
 # all).
 MODELING_SUPPORT_FILES = (
     "torch_layers.py",

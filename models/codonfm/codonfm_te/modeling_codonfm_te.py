@@ -46,16 +46,18 @@ from transformers.modeling_outputs import BaseModelOutput, MaskedLMOutput, Seque
 
 
 try:  # package import (models/codonfm, exported checkpoints)
-    from .activation_recompute import call_layer, recomputes, refuse_delayed_scaling, validate_recompute_layers
+    from .activation_recompute import refuse_delayed_scaling, validate_recompute_layers
     from .layer_autocast import LayerAutocast
+    from .layer_stack import run_layer_stack
     from .meta_init import materialize_meta_model
     from .packing import IGNORE_INDEX, PackedBatch, pack_inputs, token_mean_loss
     from .torch_layers import DotProductAttention as TorchDotProductAttention
     from .torch_layers import LayerNormLinear as TorchLayerNormLinear
     from .torch_layers import apply_rotary_pos_emb as torch_apply_rotary_pos_emb
 except ImportError:  # flat copy inside a recipe folder
-    from activation_recompute import call_layer, recomputes, refuse_delayed_scaling, validate_recompute_layers
+    from activation_recompute import refuse_delayed_scaling, validate_recompute_layers
     from layer_autocast import LayerAutocast
+    from layer_stack import run_layer_stack
     from meta_init import materialize_meta_model
     from packing import IGNORE_INDEX, PackedBatch, pack_inputs, token_mean_loss
     from torch_layers import DotProductAttention as TorchDotProductAttention
@@ -497,15 +499,17 @@ class NVEncodonModel(NVEncodonPreTrainedModel):
         rotary = self.rotary_embeddings(packed.max_seqlen)
         if self.training and torch.is_grad_enabled():
             refuse_delayed_scaling(self)  # recompute can also be switched on after construction
-        all_hidden = []
-        with self._layer_autocast() as regions:
-            for index, layer in enumerate(self.layers):
-                if output_hidden_states:
-                    all_hidden.append(hidden)
-                regions.enter_layer(index)
-                hidden = call_layer(
-                    layer, recomputes(self, index), hidden, rotary, packed.cu_seqlens, packed.max_seqlen
-                )
+        hidden, all_hidden = run_layer_stack(
+            self,
+            self.layers,
+            hidden,
+            self._layer_autocast(),
+            defer_residual=False,
+            output_hidden_states=output_hidden_states,
+            rotary=rotary,
+            cu_seqlens=packed.cu_seqlens,
+            max_seqlen=packed.max_seqlen,
+        )
         if output_hidden_states:
             all_hidden.append(hidden)
         return hidden, (tuple(all_hidden) if output_hidden_states else None)

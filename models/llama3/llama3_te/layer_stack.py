@@ -1,7 +1,7 @@
 # Copied from common/layer_stack.py — edit the source, then run ci/check_copies.py --fix
-"""The layer loop of ESM-2's, AMPLIFY's and Llama's models: one call per layer, in its precision's autocast region,
-with its activations recomputed where configured, and for ``FusedResidualTransformerLayer`` stacks each layer's last
-residual add handed to the next layer's first norm kernel.
+"""The layer loop of every model but ViT (ESM-2, AMPLIFY, Llama, Geneformer, CodonFM): one call per layer, in its
+precision's autocast region, with its activations recomputed where configured, and for
+``FusedResidualTransformerLayer`` stacks each layer's last residual add handed to the next layer's first norm kernel.
 
 ``run_layer_stack`` is what each model's ``forward_packed`` calls between the embedding and the final norm, so that
 the rules of the loop live in one place:
