@@ -24,12 +24,12 @@ def record_layer_inputs(model) -> list:
     """(rotary table dtype, the layer's QKV weight dtype during its forward) for every EncodonLayer call."""
     seen = []
 
-    def hook(layer, args):
-        seen.append((args[1].dtype, layer.self_attention.layernorm_qkv.weight.dtype))
+    def hook(layer, args, kwargs):
+        seen.append((kwargs["rotary"].dtype, layer.self_attention.layernorm_qkv.weight.dtype))
 
     for module in model.modules():
         if isinstance(module, EncodonLayer):
-            module.register_forward_pre_hook(hook)
+            module.register_forward_pre_hook(hook, with_kwargs=True)
     return seen
 
 
