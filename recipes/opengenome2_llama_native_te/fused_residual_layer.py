@@ -21,8 +21,9 @@ attention's residual add is done by the FFN norm's kernel (which writes the sum 
 and both backward sums by the norms' backward kernels; the layer's last add is left to the next layer's first norm
 kernel when the caller chains layers with ``defer_residual`` (see ``forward``), else it is a separate kernel. The
 GEMMs are cuBLAS's, as TE's are in bf16: without biases torch's; with biases TE's ``general_gemm``, so that each bias
-is added by its GEMM's epilogue and its gradient summed by the weight-gradient GEMM's epilogue (as ``te.Linear``
-does; torch's ``F.linear`` would spend a reduction kernel on every bias gradient). GELU runs in the fc1 GEMM's
+is added by its GEMM's epilogue and, for the projections that narrow or keep the width (proj, fc2), its gradient
+summed by the weight-gradient GEMM's epilogue (as ``te.Linear`` does); the widening ones (QKV, fc1) sum their bias
+gradient in a separate column sum, which is cheaper there (``_weight_and_bias_grad``). GELU runs in the fc1 GEMM's
 epilogue and its derivative in the fc2 data-gradient GEMM's (as ``te.LayerNormMLP`` does with
 ``bias_gelu_nvfusion`` off); SwiGLU is TE's kernel. Attention is TE's fused attention on query/key/value views of
 the QKV projection (te_attention.py). Rotary embeddings must be applied inside the QKV projection (packed_rope.py's
@@ -83,6 +84,22 @@ class _SwiGLU(torch.autograd.Function):
         return tex.dswiglu(grad.contiguous(), x, None)
 
 
+def _weight_and_bias_grad(inputs: torch.Tensor, grad: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None):
+    """``(grad.T @ inputs, grad.sum(0))`` for a linear layer ``inputs @ weight.T + bias`` (rows: tokens).
+
+    cuBLAS can sum the bias gradient inside the weight-gradient GEMM (the BGRADB epilogue; TE's ``te.Linear`` uses it).
+    Where the output is wider than the input (QKV, fc1) that made the GEMM slower by more than a separate column sum
+    of the gradient takes (one H200, ESM-2 650M at 49,152 tokens: fc1 +0.20 ms against a 0.14 ms sum, QKV +0.16
+    against 0.11; 3B at 16,384 tokens: fc1 +0.32 against 0.10; docs/benchmarks.md), so those sum it apart, in float32
+    as the epilogue does. For proj and fc2 the epilogue costs less than the sum and stays.
+    """
+    if bias is not None and grad.shape[-1] > inputs.shape[-1]:
+        dw, *_ = general_gemm(inputs, grad, out_dtype=weight.dtype, layout="NT", grad=True)
+        return dw, grad.sum(0, dtype=torch.float32).to(bias.dtype)
+    dw, db, *_ = general_gemm(inputs, grad, out_dtype=weight.dtype, layout="NT", bias=bias, grad=True)
+    return dw, db
+
+
 class _LinearWithBias(torch.autograd.Function):
     """``x @ weight.T + bias`` with the bias in the GEMM's epilogue and its gradient in the weight-gradient GEMM's
     (``general_gemm``'s layouts: "TN" forward, "NN" data gradient, "NT" weight gradient, as ``te.Linear``)."""
@@ -100,15 +117,15 @@ class _LinearWithBias(torch.autograd.Function):
         rows, weight, bias = ctx.saved_tensors
         grad = _rows(grad).contiguous()
         dx, *_ = general_gemm(weight, grad, out_dtype=rows.dtype, layout="NN", grad=True)
-        dw, db, *_ = general_gemm(rows, grad, out_dtype=weight.dtype, layout="NT", bias=bias, grad=True)
+        dw, db = _weight_and_bias_grad(rows, grad, weight, bias)
         return dx.view(ctx.input_shape), dw, db
 
 
 class _GeluMLP(torch.autograd.Function):
     """``fc2(gelu(fc1(x)))`` in two GEMMs: fc1's bias and GELU (tanh) in fc1's epilogue, which also writes the
-    pre-activation for the backward; fc2's bias in fc2's. Backward: dGELU in fc2's data-gradient epilogue, both bias
-    gradients in the weight-gradient epilogues (what ``te.LayerNormMLP`` runs in bf16 with ``bias_gelu_nvfusion``
-    off). The biases may be None."""
+    pre-activation for the backward; fc2's bias in fc2's. Backward: dGELU in fc2's data-gradient epilogue, fc2's bias
+    gradient in its weight-gradient epilogue and fc1's in a column sum (``_weight_and_bias_grad``; ``te.LayerNormMLP``
+    in bf16 with ``bias_gelu_nvfusion`` off sums both in the epilogues). The biases may be None."""
 
     @staticmethod
     def forward(ctx, x, fc1_weight, fc1_bias, fc2_weight, fc2_bias):
@@ -126,13 +143,9 @@ class _GeluMLP(torch.autograd.Function):
         d_pre_activation, *_ = general_gemm(
             fc2_weight, grad, out_dtype=rows.dtype, layout="NN", grad=True, gelu=True, gelu_in=pre_activation
         )
-        fc2_dw, fc2_db, *_ = general_gemm(
-            activated, grad, out_dtype=fc2_weight.dtype, layout="NT", bias=fc2_bias, grad=True
-        )
+        fc2_dw, fc2_db = _weight_and_bias_grad(activated, grad, fc2_weight, fc2_bias)
         dx, *_ = general_gemm(fc1_weight, d_pre_activation, out_dtype=rows.dtype, layout="NN", grad=True)
-        fc1_dw, fc1_db, *_ = general_gemm(
-            rows, d_pre_activation, out_dtype=fc1_weight.dtype, layout="NT", bias=fc1_bias, grad=True
-        )
+        fc1_dw, fc1_db = _weight_and_bias_grad(rows, d_pre_activation, fc1_weight, fc1_bias)
         return dx.view(ctx.input_shape), fc1_dw, fc1_db, fc2_dw, fc2_db
 
 
