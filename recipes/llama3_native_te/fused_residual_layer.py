@@ -101,7 +101,7 @@ def _weight_and_bias_grad(inputs: torch.Tensor, grad: torch.Tensor, weight: torc
 
 
 class _LinearWithBias(torch.autograd.Function):
-    """``x @ weight.T + bias`` with the bias in the GEMM's epilogue and its gradient in the weight-gradient GEMM's
+    """``x @ weight.T + bias`` with the bias in the GEMM's epilogue and its gradient by ``_weight_and_bias_grad``
     (``general_gemm``'s layouts: "TN" forward, "NN" data gradient, "NT" weight gradient, as ``te.Linear``)."""
 
     @staticmethod
