@@ -24,7 +24,7 @@ from omegaconf import DictConfig, OmegaConf
 from perf_logger import quiet_progress_bars_off_a_terminal
 from prediction import EncodonPredictModule, PredictionWriter
 from recipe_paths import model_directory, recipe_path
-from trainer_setup import process_counts, quiet_lightning
+from trainer_setup import end_run, process_counts, quiet_lightning
 from user_errors import ConfigError, PathNotFoundError, check_config, report_user_errors
 
 
@@ -91,6 +91,7 @@ def main(cfg: DictConfig) -> None:
         use_distributed_sampler=False,  # the datamodule gives each rank a contiguous share
     )
     trainer.predict(module, datamodule=data, return_predictions=False)
+    end_run()  # multi-process CPU runs leave before the interpreter's teardown (trainer_setup.end_run)
 
 
 if __name__ == "__main__":

@@ -25,7 +25,7 @@ from lightning_module import module_for
 from omegaconf import DictConfig, OmegaConf
 from perf_logger import quiet_progress_bars_off_a_terminal
 from recipe_paths import config_name
-from trainer_setup import build_trainer, quiet_lightning
+from trainer_setup import build_trainer, end_run, quiet_lightning
 from user_errors import check_config, report_user_errors
 
 
@@ -51,6 +51,7 @@ def main(cfg: DictConfig) -> None:
 
     # A relaunch continues from the newest complete checkpoint: weights, optimizer, schedule, step, data position.
     trainer.fit(module, datamodule=data, ckpt_path=resume_checkpoint(cfg.checkpoint.ckpt_dir, cfg.checkpoint.resume))
+    end_run()  # multi-process CPU runs leave before the interpreter's teardown (trainer_setup.end_run)
 
 
 if __name__ == "__main__":

@@ -20,6 +20,7 @@
 
 import logging
 import os
+import sys
 import warnings
 from typing import Any
 
@@ -56,6 +57,28 @@ def quiet_lightning() -> None:
         logging.getLogger(name).addFilter(_DropTips())
     warnings.filterwarnings("ignore", message=r".*isinstance\(treespec, LeafSpec\)")
     warnings.filterwarnings("ignore", message=r"FSDP2-wrapped module .* returned a view tensor")
+
+
+def end_run() -> None:
+    """End a finished run's process. Multi-process CPU runs (gloo): every rank meets at a barrier, the group is
+    destroyed, the logs are flushed and the process leaves with ``os._exit(0)``. Otherwise: return normally.
+
+    Call it last, once ``fit`` or ``predict`` has written every output (the callbacks close their files at the end of
+    training). A two-process FSDP2 CPU run in CI aborted after its export, in the interpreter's teardown ("terminate
+    called without an active exception", no Python frame left): there Lightning's atexit hook destroys the process
+    group without a barrier, and the group's C++ objects are freed in no fixed order. The native recipes leave gloo
+    runs the same way before that teardown (``cleanup_distributed`` in their distributed.py). NCCL runs (GPUs) keep
+    Lightning's own ending.
+    """
+    distributed = torch.distributed
+    if not (distributed.is_available() and distributed.is_initialized()) or distributed.get_backend() != "gloo":
+        return
+    distributed.barrier()  # a rank that left early would break the others' teardown
+    distributed.destroy_process_group()
+    logging.shutdown()
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(0)
 
 
 def process_counts(trainer_cfg: DictConfig) -> tuple[Any, int]:

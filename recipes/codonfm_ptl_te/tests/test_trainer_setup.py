@@ -1,10 +1,11 @@
-"""How many processes the Trainer is told it has: from torchrun, from SLURM (slurm.sh's launch), or one; and the
-strategy each `strategy=` value builds."""
+"""How many processes the Trainer is told it has: from torchrun, from SLURM (slurm.sh's launch), or one; the
+strategy each `strategy=` value builds; and how a finished run's process ends (``end_run``)."""
 
 import subprocess
+import textwrap
 
 import pytest
-from launch import RECIPE_DIR
+from launch import RECIPE_DIR, run_script
 from lightning.pytorch.strategies import DDPStrategy, ModelParallelStrategy
 from omegaconf import OmegaConf
 from trainer_setup import build_strategy, process_counts
@@ -72,3 +73,34 @@ def test_activation_recompute_is_refused_with_fsdp1():
     )
     with pytest.raises(ConfigError, match="recompute_layers is not supported with strategy=fsdp"):
         build_strategy(cfg, "cpu", 2, 1)
+
+
+# A script that ends like train.py and predict.py, then marks that the code after end_run() ran.
+END_RUN_SCRIPT = """
+    import sys
+
+    import torch.distributed as dist
+    from trainer_setup import end_run
+
+    if len(sys.argv) > 2 and sys.argv[2] == "group":
+        dist.init_process_group("gloo")
+    end_run()
+    rank = dist.get_rank() if dist.is_initialized() else 0
+    open(f"{sys.argv[1]}/after_end_run_{rank}", "w").close()
+"""
+
+
+def test_end_run_leaves_a_multi_process_cpu_run_at_once(tmp_path):
+    """Two gloo ranks: both meet, and the process exits with status 0 before the code after end_run() (and the
+    interpreter's teardown, where a CI run once aborted) could run."""
+    script = tmp_path / "ends.py"
+    script.write_text(textwrap.dedent(END_RUN_SCRIPT))
+    run_script(script, str(tmp_path), "group", nproc=2, timeout=120)  # raises unless both ranks exit 0
+    assert not list(tmp_path.glob("after_end_run_*"))
+
+
+def test_end_run_returns_without_a_process_group(tmp_path):
+    script = tmp_path / "ends.py"
+    script.write_text(textwrap.dedent(END_RUN_SCRIPT))
+    run_script(script, str(tmp_path), timeout=120)
+    assert (tmp_path / "after_end_run_0").exists()
