@@ -15,6 +15,14 @@ each) TE's interleaved projection lays every group out as [its query heads..., k
 groups + 2, head_dim]); the kernel then rotates the first ``heads / groups + 1`` heads of every group. Multi-head
 attention is the case of one query head per group.
 
+There TE's attention cannot read the query heads as a view (a group's query heads are not evenly spaced in the
+buffer), so a layer would rotate in place and then copy query, key and value out (and concatenate their gradients
+back). ``rotate_split_qkv`` does both in one pass each way instead: it reads the projection once and writes the
+rotated query and key and the value as three contiguous tensors, and its backward writes attention's dQ, dK and dV
+back into the grouped layout, rotated by the opposite angle. ``FusedResidualTransformerLayer`` takes this path with
+grouped-query attention (``PackedQKVRotary.attach`` hands its attention the rotary instead of hooking the projection).
+Same values bit for bit as the in-place rotation followed by the copies.
+
 The rotation is the half-split form (channel ``i`` pairs with ``i + head_dim / 2``, ESM-2's and TE's default). Each
 token is rotated by the angles of its position within its own sequence, ``position * inv_freq``, from float32 cos/sin
 tables that torch computes from the same angles the TE path uses; the arithmetic is float32, the result is rounded
@@ -88,6 +96,79 @@ def _kernel():
     return _KERNEL
 
 
+_SPLIT_KERNEL = None
+
+
+def _split_kernel():
+    """The rotate-and-split kernel (grouped buffer <-> three tensors), JIT-decorated on first use as ``_kernel``."""
+    global _SPLIT_KERNEL
+    if _SPLIT_KERNEL is None:
+
+        def rotate_split_grouped_qkv(
+            grouped_ptr,
+            query_ptr,
+            key_ptr,
+            value_ptr,
+            positions_ptr,
+            cos_ptr,
+            sin_ptr,
+            grouped_token_stride,
+            group_stride,
+            query_token_stride,
+            query_head_stride,
+            key_token_stride,
+            key_head_stride,
+            value_token_stride,
+            value_head_stride,
+            num_groups,
+            HALF: tl.constexpr,
+            BLOCK_GROUPS: tl.constexpr,
+            PER_GROUP: tl.constexpr,
+            TO_GROUPED: tl.constexpr,
+        ):
+            # One program per token. Forward (TO_GROUPED false): every group's query heads, key head and value head
+            # are read from the grouped buffer and written to query [tokens, heads, d], key and value [tokens,
+            # groups, d], queries and keys rotated. Backward (TO_GROUPED true): the same addresses the other way,
+            # rotated by the opposite angle, so the grouped gradient is written in full.
+            token = tl.program_id(0).to(tl.int64)
+            position = tl.load(positions_ptr + token).to(tl.int64)
+            channels = tl.arange(0, HALF)
+            cos = tl.load(cos_ptr + position * HALF + channels)[None, :]
+            sin = tl.load(sin_ptr + position * HALF + channels)[None, :]
+            if TO_GROUPED:
+                sin = -sin
+            groups = tl.arange(0, BLOCK_GROUPS)[:, None]
+            mask = groups < num_groups
+            grouped = token * grouped_token_stride + groups * group_stride + channels[None, :]
+            for part in tl.static_range(PER_GROUP + 2):  # each query head of the group, its key head, its value head
+                if part < PER_GROUP:
+                    other_ptr = query_ptr
+                    other = token * query_token_stride + (groups * PER_GROUP + part) * query_head_stride
+                elif part == PER_GROUP:
+                    other_ptr = key_ptr
+                    other = token * key_token_stride + groups * key_head_stride
+                else:
+                    other_ptr = value_ptr
+                    other = token * value_token_stride + groups * value_head_stride
+                other = other + channels[None, :]
+                here = grouped + part * (2 * HALF)
+                if TO_GROUPED:
+                    source_ptr, source, target_ptr, target = other_ptr, other, grouped_ptr, here
+                else:
+                    source_ptr, source, target_ptr, target = grouped_ptr, here, other_ptr, other
+                x1 = tl.load(source_ptr + source, mask=mask)
+                x2 = tl.load(source_ptr + source + HALF, mask=mask)
+                if part <= PER_GROUP:  # query and key heads: rotate in float32, round once
+                    x1, x2 = x1.to(tl.float32), x2.to(tl.float32)
+                    x1, x2 = x1 * cos - x2 * sin, x2 * cos + x1 * sin
+                dtype = target_ptr.dtype.element_ty
+                tl.store(target_ptr + target, x1.to(dtype), mask=mask)
+                tl.store(target_ptr + target + HALF, x2.to(dtype), mask=mask)
+
+        _SPLIT_KERNEL = triton.jit(rotate_split_grouped_qkv)
+    return _SPLIT_KERNEL
+
+
 def _heads_per_group(num_heads: int, num_groups: int | None) -> tuple[int, int]:
     """``(groups, query heads per group)``; ``num_groups`` None means one key/value head per query head."""
     groups = num_heads if num_groups is None else num_groups
@@ -96,9 +177,8 @@ def _heads_per_group(num_heads: int, num_groups: int | None) -> tuple[int, int]:
     return groups, num_heads // groups
 
 
-def _rotate_(qkv, positions, cos, sin, num_heads: int, head_dim: int, num_groups: int | None, inverse: bool) -> None:
-    """Rotate ``qkv``'s query and key channels in place (the value channels are not touched)."""
-    tokens = qkv.shape[0]
+def _check_grouped(qkv, positions, num_heads: int, head_dim: int, num_groups: int | None) -> tuple[int, int]:
+    """Refuse a QKV buffer or positions that do not fit the layout; returns ``(groups, query heads per group)``."""
     groups, per_group = _heads_per_group(num_heads, num_groups)
     width = groups * (per_group + 2) * head_dim
     if qkv.dim() != 2 or qkv.shape[1] != width or not qkv.is_contiguous():
@@ -107,8 +187,15 @@ def _rotate_(qkv, positions, cos, sin, num_heads: int, head_dim: int, num_groups
             f"expected a contiguous [tokens, {layout} * {head_dim}] QKV buffer, got "
             f"{tuple(qkv.shape)} (contiguous: {qkv.is_contiguous()})"
         )
-    if positions.shape != (tokens,):
-        raise ValueError(f"positions {tuple(positions.shape)} must have one entry per token ({tokens})")
+    if positions.shape != (qkv.shape[0],):
+        raise ValueError(f"positions {tuple(positions.shape)} must have one entry per token ({qkv.shape[0]})")
+    return groups, per_group
+
+
+def _rotate_(qkv, positions, cos, sin, num_heads: int, head_dim: int, num_groups: int | None, inverse: bool) -> None:
+    """Rotate ``qkv``'s query and key channels in place (the value channels are not touched)."""
+    tokens = qkv.shape[0]
+    groups, per_group = _check_grouped(qkv, positions, num_heads, head_dim, num_groups)
     if tokens == 0:
         return
     _kernel()[(tokens,)](
@@ -165,6 +252,73 @@ def rotate_query_key_(
     return _RotateQueryKeyInPlace.apply(qkv, positions, cos, sin, num_heads, head_dim, num_groups)
 
 
+def _run_split_kernel(grouped, query, key, value, positions, cos, sin, groups, per_group, head_dim, to_grouped):
+    if grouped.shape[0] == 0:
+        return
+    _split_kernel()[(grouped.shape[0],)](
+        grouped,
+        query,
+        key,
+        value,
+        positions,
+        cos,
+        sin,
+        grouped.stride(0),
+        (per_group + 2) * head_dim,
+        query.stride(0),
+        query.stride(1),
+        key.stride(0),
+        key.stride(1),
+        value.stride(0),
+        value.stride(1),
+        groups,
+        HALF=head_dim // 2,
+        BLOCK_GROUPS=triton.next_power_of_2(groups),
+        PER_GROUP=per_group,
+        TO_GROUPED=to_grouped,
+    )
+
+
+class _RotateSplitGroupedQKV(torch.autograd.Function):
+    """Grouped QKV projection -> rotated query, rotated key, value (three new contiguous tensors), and back."""
+
+    @staticmethod
+    def forward(ctx, qkv, positions, cos, sin, num_heads: int, head_dim: int, num_groups: int | None):
+        groups, per_group = _check_grouped(qkv, positions, num_heads, head_dim, num_groups)
+        tokens = qkv.shape[0]
+        query = qkv.new_empty(tokens, num_heads, head_dim)
+        key = qkv.new_empty(tokens, groups, head_dim)
+        value = qkv.new_empty(tokens, groups, head_dim)
+        _run_split_kernel(qkv, query, key, value, positions, cos, sin, groups, per_group, head_dim, False)
+        ctx.save_for_backward(positions, cos, sin)
+        ctx.layout = (groups, per_group, head_dim)
+        return query, key, value
+
+    @staticmethod
+    def backward(ctx, grad_query, grad_key, grad_value):
+        positions, cos, sin = ctx.saved_tensors
+        groups, per_group, head_dim = ctx.layout
+        present = next(g for g in (grad_query, grad_key, grad_value) if g is not None)
+        tokens = present.shape[0]
+        grads = []
+        for grad, heads in ((grad_query, groups * per_group), (grad_key, groups), (grad_value, groups)):
+            if grad is None:  # an output that did not reach the loss
+                grad = present.new_zeros(tokens, heads, head_dim)
+            grads.append(grad if grad.stride(-1) == 1 else grad.contiguous())  # any token and head strides
+        grouped = present.new_empty(tokens, groups * (per_group + 2) * head_dim)
+        _run_split_kernel(grouped, *grads, positions, cos, sin, groups, per_group, head_dim, True)
+        return grouped, None, None, None, None, None, None
+
+
+def rotate_split_qkv(
+    qkv, positions, cos, sin, num_heads: int, head_dim: int, num_groups: int | None = None
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Query [tokens, heads, head_dim] and key [tokens, groups, head_dim] rotated as ``rotate_query_key_`` rotates
+    them, and value [tokens, groups, head_dim], as new contiguous tensors read from ``qkv`` (the grouped projection,
+    which is not modified) in one pass; the backward writes their gradients into the grouped layout in one pass."""
+    return _RotateSplitGroupedQKV.apply(qkv, positions, cos, sin, num_heads, head_dim, num_groups)
+
+
 def rotate_query_key_reference(
     qkv, positions, cos, sin, num_heads: int, head_dim: int, num_groups: int | None = None
 ) -> torch.Tensor:
@@ -214,8 +368,15 @@ class PackedQKVRotary:
         return rotary
 
     def attach(self, layers) -> None:
+        grouped = self.num_groups is not None and self.num_groups < self.num_heads
         for layer in layers:
-            layer.self_attention.layernorm_qkv.register_forward_hook(self._rotate_projection)
+            attention = layer.self_attention
+            if grouped and hasattr(attention, "qkv_rotary"):
+                # A layer that splits the projection itself (FusedResidualTransformerLayer under GQA) rotates while
+                # it splits: rotate_and_split, one pass, instead of rotating here and copying there.
+                attention.qkv_rotary = self
+            else:
+                attention.layernorm_qkv.register_forward_hook(self._rotate_projection)
 
     def set_batch(self, positions: torch.Tensor | None, freqs: torch.Tensor | None = None) -> None:
         if positions is None:
@@ -223,6 +384,13 @@ class PackedQKVRotary:
             return
         angles = freqs.reshape(freqs.shape[0], -1)[:, : self.head_dim // 2].float()
         self._batch = (positions, torch.cos(angles).contiguous(), torch.sin(angles).contiguous())
+
+    def rotate_and_split(self, qkv: torch.Tensor):
+        """``rotate_split_qkv`` with this batch's positions; None while no batch is set (the caller then splits the
+        projection unrotated, as the hook would leave it)."""
+        if self._batch is None:
+            return None
+        return rotate_split_qkv(qkv, *self._batch, self.num_heads, self.head_dim, self.num_groups)
 
     def _rotate_projection(self, module, args, output):
         if self._batch is None:

@@ -226,17 +226,23 @@ class _SelfAttention(nn.Module):
             layer_number=layer_number,
         )
         self.proj = EpilogueLinear(num_heads * head_dim, hidden_size, init_method=output_init, **kw)
+        # Under GQA, packed_rope.PackedQKVRotary.attach sets this: the rotation then happens in split_qkv's copy.
+        self.qkv_rotary = None
 
     def split_qkv(self, qkv: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """Query [tokens, heads, head_dim], key and value [tokens, groups, head_dim] for TE's attention.
 
         Without GQA they are views of the projection (``SplitPackedQKV``: TE runs its packed-QKV kernels, and their
         gradient is attention's dQKV buffer itself). With GQA a group's query heads are not evenly spaced in the
-        buffer, so each of the three is made contiguous (one copy forward, one concatenation backward), as TE's own
-        layer does for GQA."""
+        buffer, so TE needs them copied out: ``qkv_rotary.rotate_and_split`` rotates queries and keys as it copies
+        (one kernel each way, the same bits as rotating in place, then copying and concatenating the gradients; Llama
+        1B training +0.7% on one H200, docs/benchmarks.md); without a rotary batch, plain copies."""
         tokens, groups, per_group = qkv.shape[0], self.num_groups, self.num_heads // self.num_groups
         if per_group == 1:
             return SplitPackedQKV.apply(qkv.view(tokens, groups, 3, self.head_dim), -2)
+        split = self.qkv_rotary.rotate_and_split(qkv) if self.qkv_rotary is not None else None
+        if split is not None:
+            return split
         query, key, value = qkv.view(tokens, groups, per_group + 2, self.head_dim).split([per_group, 1, 1], dim=2)
         return (
             query.reshape(tokens, self.num_heads, self.head_dim),

@@ -32,6 +32,7 @@ def interpreted_kernel(monkeypatch):
         pytest.skip("Triton is not installed")
     monkeypatch.setenv("TRITON_INTERPRET", "1")
     monkeypatch.setattr(packed_rope, "_KERNEL", None)
+    monkeypatch.setattr(packed_rope, "_SPLIT_KERNEL", None)
 
 
 def _config(**overrides) -> NVLlamaConfig:
@@ -70,6 +71,75 @@ def test_kernel_rotates_the_grouped_projection_as_the_model_rotates_its_split(in
     rotated = packed_rope.rotate_query_key_(leaf * 1.0, POSITIONS, cos, sin, heads, head_dim, groups)
     rotated.backward(out.clone())
     torch.testing.assert_close(leaf.grad, qkv, rtol=1e-5, atol=1e-5)
+
+
+def _rotate_then_split(qkv, cos, sin, heads, head_dim, groups):
+    """What the split kernel replaces, in plain torch: rotate the grouped buffer, then the model's own split."""
+    config = _config(num_attention_heads=heads, num_key_value_heads=groups, hidden_size=heads * head_dim)
+    rotated = packed_rope.rotate_query_key_reference(qkv, POSITIONS, cos, sin, heads, head_dim, groups)
+    return tuple(_split_fused_qkv(rotated, config))
+
+
+@pytest.mark.parametrize(("heads", "groups"), [(8, 2), (6, 3), (4, 4), (5, 1)], ids=["4-per-group", "2", "mha", "mqa"])
+def test_rotate_split_gives_the_rotated_split_and_its_gradient(interpreted_kernel, heads, groups):
+    """``rotate_split_qkv`` (the fused layers' GQA path): query, key and value as new contiguous tensors, equal to
+    rotating the buffer and then splitting it, the buffer itself untouched; its backward writes the gradients of all
+    three into the grouped layout as autograd through the plain-torch rotation and split does, also for strided
+    gradients and for an output (the value here) that did not reach the loss."""
+    head_dim = 16
+    torch.manual_seed(0)
+    config = _config(num_attention_heads=heads, num_key_value_heads=groups, hidden_size=heads * head_dim)
+    cos, sin = rotary_halves(config_rotary_table(config, max(LENGTHS)))
+    qkv = torch.randn(len(POSITIONS), (heads + 2 * groups) * head_dim)
+    before = qkv.clone()
+    split = packed_rope.rotate_split_qkv(qkv, POSITIONS, cos, sin, heads, head_dim, groups)
+    assert torch.equal(qkv, before)
+    expected = _rotate_then_split(qkv, cos, sin, heads, head_dim, groups)
+    for actual, wanted, count in zip(split, expected, (heads, groups, groups)):
+        assert actual.shape == (len(POSITIONS), count, head_dim) and actual.is_contiguous()
+        torch.testing.assert_close(actual, wanted, rtol=0, atol=0)
+
+    # Gradients: the query's arrives strided (a transposed copy seen through a transpose), the value's not at all.
+    grad_query = torch.randn(heads, len(POSITIONS), head_dim).transpose(0, 1)
+    grad_key = torch.randn(len(POSITIONS), groups, head_dim)
+    kernel_leaf, reference_leaf = qkv.clone().requires_grad_(True), qkv.clone().requires_grad_(True)
+    query, key, _ = packed_rope.rotate_split_qkv(kernel_leaf, POSITIONS, cos, sin, heads, head_dim, groups)
+    torch.autograd.backward([query, key], [grad_query, grad_key])
+    query, key, _ = _rotate_then_split(reference_leaf, cos, sin, heads, head_dim, groups)
+    torch.autograd.backward([query, key], [grad_query, grad_key])
+    torch.testing.assert_close(kernel_leaf.grad, reference_leaf.grad, rtol=1e-6, atol=1e-6)
+
+
+def test_gqa_fused_layers_take_the_split_path_and_others_keep_the_hook():
+    """``PackedQKVRotary.attach`` hands a layer that splits the projection itself (an attention with a
+    ``qkv_rotary`` slot) the rotary under GQA, and hooks the projection otherwise (TE's layers; no GQA)."""
+
+    class Attention(torch.nn.Module):
+        def __init__(self, with_slot: bool):
+            super().__init__()
+            self.layernorm_qkv = torch.nn.Linear(4, 4)
+            if with_slot:
+                self.qkv_rotary = None
+
+    class Layer(torch.nn.Module):
+        def __init__(self, with_slot: bool):
+            super().__init__()
+            self.self_attention = Attention(with_slot)
+
+    def attached(num_groups, with_slot):
+        layer = Layer(with_slot)
+        rotary = packed_rope.PackedQKVRotary(8, 16, num_groups=num_groups)
+        rotary.attach([layer])
+        attention = layer.self_attention
+        hooked = bool(attention.layernorm_qkv._forward_hooks)
+        return getattr(attention, "qkv_rotary", None) is rotary, hooked
+
+    assert attached(2, with_slot=True) == (True, False)
+    assert attached(2, with_slot=False) == (False, True)
+    assert attached(None, with_slot=True) == (False, True)
+    assert attached(8, with_slot=True) == (False, True)
+    # No batch set (cached decoding): the layer is told to split plainly.
+    assert packed_rope.PackedQKVRotary(8, 16, num_groups=2).rotate_and_split(torch.zeros(3, 12 * 16)) is None
 
 
 def config_rotary_table(config: NVLlamaConfig, length: int) -> torch.Tensor:
@@ -210,6 +280,68 @@ def test_fused_layers_compute_what_the_other_layers_compute(precision, input_for
     for pair in checked:
         for quantity, limit in limits.items():
             assert measured[pair][quantity] < limit, (pair, quantity, measured)
+
+
+@pytest.mark.requires_gpu
+def test_rotate_split_matches_rotating_in_place_then_copying_bit_for_bit_on_the_gpu():
+    """At Llama 3.2 1B's heads (32 queries in 8 groups, head_dim 64), bf16, 4,096 packed tokens: the compiled
+    rotate-and-split kernel gives the path it replaced (in-place rotation, then the split's copies; backward: the
+    concatenation, then the in-place inverse rotation) bit for bit, both ways."""
+    heads, groups, head_dim = 32, 8, 64
+    torch.manual_seed(0)
+    positions = torch.cat([torch.arange(n) for n in (1500, 2, 2594)]).cuda()
+    angles = positions.new_tensor(range(2600), dtype=torch.float32)[:, None] * torch.rand(head_dim // 2).cuda()
+    cos, sin = torch.cos(angles).contiguous(), torch.sin(angles).contiguous()
+    qkv = torch.randn(len(positions), (heads + 2 * groups) * head_dim, device="cuda", dtype=torch.bfloat16)
+    grads = [torch.randn(len(positions), n, head_dim, device="cuda", dtype=torch.bfloat16) for n in (32, 8, 8)]
+
+    new_leaf = qkv.clone().requires_grad_(True)
+    new = packed_rope.rotate_split_qkv(new_leaf, positions, cos, sin, heads, head_dim, groups)
+    torch.autograd.backward(new, grads)
+
+    old_leaf = qkv.clone().requires_grad_(True)
+    rotated = packed_rope.rotate_query_key_(old_leaf * 1, positions, cos, sin, heads, head_dim, groups)
+    query, key, value = rotated.view(len(positions), groups, heads // groups + 2, head_dim).split([4, 1, 1], dim=2)
+    old = (query.reshape(-1, heads, head_dim), key.reshape(-1, groups, head_dim), value.reshape(-1, groups, head_dim))
+    torch.autograd.backward([t.contiguous() for t in old], grads)
+
+    for a, b in zip(new, old):
+        assert torch.equal(a, b)
+    assert torch.equal(new_leaf.grad, old_leaf.grad)
+
+
+@pytest.mark.requires_gpu
+@pytest.mark.requires_te
+def test_fused_model_learns_the_same_bits_with_the_rotation_in_the_split_or_in_the_projection(monkeypatch):
+    """The whole fused model, THD, bf16 autocast: loss and every gradient with the GQA rotation done while splitting
+    (``rotate_and_split``, the default) equal those with the rotation in place in the projection followed by the
+    copies (the hook path, which the layers used before) bit for bit. TE's attention backward is made deterministic
+    for this (by default cuDNN may accumulate dQ in any order), and two runs of one path are checked equal first."""
+    monkeypatch.setenv("NVTE_ALLOW_NONDETERMINISTIC_ALGO", "0")  # read when TE's attention is built
+    torch.manual_seed(0)
+    stock = randomize_(LlamaForCausalLM(hf_llama_config(LLAMA3_ROPE, **GPU_SHAPE)))
+    model = convert_llama_hf_to_te(stock, backend="te", fused_residual_norm=True).cuda().train()
+    rotary = model.model.qkv_rotary
+    assert all(layer.self_attention.qkv_rotary is rotary for layer in model.model.layers)
+    batch = _batch("thd")
+
+    def loss_and_grads():
+        model.zero_grad(set_to_none=True)
+        with torch.autocast("cuda", dtype=torch.bfloat16):
+            loss = model(**batch).loss
+        loss.backward()
+        return loss.detach(), {n: p.grad.clone() for n, p in model.named_parameters()}
+
+    def assert_same_bits(a, b):
+        assert torch.equal(a[0], b[0])
+        assert all(torch.equal(g, b[1][n]) for n, g in a[1].items())
+
+    split = loss_and_grads()
+    assert_same_bits(loss_and_grads(), split)
+    for layer in model.model.layers:  # back to the in-place rotation: the projection's hook, then plain copies
+        layer.self_attention.qkv_rotary = None
+        layer.self_attention.layernorm_qkv.register_forward_hook(rotary._rotate_projection)
+    assert_same_bits(loss_and_grads(), split)
 
 
 @pytest.mark.requires_gpu
