@@ -108,9 +108,9 @@ class NVLlamaConfig(LlamaConfig):
     scale_output_projection_init: bool = False
     # TE backend: build the layers as FusedResidualTransformerLayer (fused_residual_layer.py): the same parameters and
     # numbers as TE's layer, with the residual adds done inside Triton RMSNorm kernels and queries and keys rotated
-    # in place inside the QKV projection's output (packed_rope.py) instead of TE's RoPE kernels. bf16/fp32 only: no
-    # FP8/FP4 layers, no context parallelism, no torch.compile. Ignored by the torch backend (an export loads
-    # anywhere). 1B shape on one GPU: docs/benchmarks.md.
+    # as they are copied out of the QKV projection for attention (packed_rope.py) instead of TE's RoPE kernels.
+    # bf16/fp32 only: no FP8/FP4 layers, no context parallelism, no torch.compile. Ignored by the torch backend (an
+    # export loads anywhere). 1B shape on one GPU: docs/benchmarks.md.
     fused_residual_norm: bool = False
 
     def __post_init__(self, **kwargs):
