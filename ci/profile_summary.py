@@ -42,8 +42,12 @@ KERNEL_GROUPS: tuple[tuple[str, re.Pattern], ...] = tuple(
     for name, pattern in (
         ("communication (NCCL)", r"nccl"),
         ("attention", r"fmha|flash|attn|sdpa|fused_attn|cudnn_generated|cudnn::fusion"),  # + cuDNN's bwd helpers
-        ("RoPE", r"rope|rotary"),
-        ("norm (LayerNorm/RMSNorm)", r"layer_?norm|rms_?norm|ln_fwd|ln_bwd|norm_fwd|norm_bwd"),
+        ("RoPE", r"rope|rotary|rotate_query_key|rotate_split_grouped_qkv"),  # + the project's kernels (packed_rope.py)
+        # + the fused layers' Triton kernels (residual_norm.py: norm_forward, norm_backward)
+        (
+            "norm (LayerNorm/RMSNorm)",
+            r"layer_?norm|rms_?norm|ln_fwd|ln_bwd|norm_fwd|norm_bwd|^norm_forward|^norm_backward",
+        ),
         ("FP8 quantise/transpose/amax", r"cast_transpose|quantize|amax|fp8|scale_inv|cast_fp|transpose_dbias"),
         ("GEMM", r"gemm|cutlass|xmma|nvjet|cublas|matmul|wgmma"),
         ("activation (GELU/SwiGLU)", r"gelu|swiglu|silu|glu_|dgeglu|dswiglu|relu"),

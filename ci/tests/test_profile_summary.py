@@ -58,6 +58,9 @@ def test_groups_busy_time_and_per_step_means():
     [
         ("void transformer_engine::normalization::ln_bwd_tuned_kernel", "norm (LayerNorm/RMSNorm)"),
         ("void transformer_engine::fused_rope_backward_kernel", "RoPE"),
+        ("rotate_split_grouped_qkv", "RoPE"),
+        ("rotate_query_key", "RoPE"),
+        ("norm_backward", "norm (LayerNorm/RMSNorm)"),
         ("nvjet_hsh_128x256_64x4_2x1_v_bz_coopA_NTN", "GEMM"),
         ("void cutlass::Kernel2<cutlass_80_wmma_tensorop_bf16_s161616gemm>", "GEMM"),
         ("void transformer_engine::dswiglu_kernel", "activation (GELU/SwiGLU)"),
