@@ -26,8 +26,10 @@ summed by the weight-gradient GEMM's epilogue (as ``te.Linear`` does); the widen
 gradient in a separate column sum, which is cheaper there (``_weight_and_bias_grad``). GELU runs in the fc1 GEMM's
 epilogue and its derivative in the fc2 data-gradient GEMM's (as ``te.LayerNormMLP`` does with
 ``bias_gelu_nvfusion`` off); SwiGLU is TE's kernel. Attention is TE's fused attention on query/key/value views of
-the QKV projection (te_attention.py). Rotary embeddings must be applied inside the QKV projection (packed_rope.py's
-forward hook on ``self_attention.layernorm_qkv``, which this layer's projection returns as ``(qkv, residual)``).
+the QKV projection, called through ``te_attention.PackedCuDNNAttention`` (TE's cuDNN kernels without
+``DotProductAttention``'s per-call Python once TE has chosen them). Rotary embeddings must be applied inside the QKV
+projection (packed_rope.py's forward hook on ``self_attention.layernorm_qkv``, which this layer's projection returns
+as ``(qkv, residual)``).
 
 Only bf16/fp32 compute: no FP8 or FP4 (those need TE's modules), no dropout, no context parallelism. The models that
 offer this layer (``fused_residual_norm`` in AMPLIFY's, ESM-2's and Llama's configs) refuse those combinations before
@@ -43,11 +45,11 @@ from torch import nn
 
 try:  # package import (models/*, exported checkpoints)
     from .residual_norm import add_layer_norm, add_rms_norm, layer_norm_keep_input, rms_norm_keep_input
-    from .te_attention import SplitPackedQKV
+    from .te_attention import PackedCuDNNAttention, SplitPackedQKV
     from .torch_layers import LayerNormLinear, LayerNormMLP, Linear
 except ImportError:  # flat copy inside a recipe folder
     from residual_norm import add_layer_norm, add_rms_norm, layer_norm_keep_input, rms_norm_keep_input
-    from te_attention import SplitPackedQKV
+    from te_attention import PackedCuDNNAttention, SplitPackedQKV
     from torch_layers import LayerNormLinear, LayerNormMLP, Linear
 
 try:
@@ -216,7 +218,7 @@ class _SelfAttention(nn.Module):
         self.num_heads, self.num_groups, self.head_dim, self.mask_type = num_heads, num_groups, head_dim, mask_type
         qkv_size = (num_heads + 2 * num_groups) * head_dim
         self.layernorm_qkv = NormQKV(hidden_size, qkv_size, eps=eps, init_method=init_method, **kw)
-        self.core_attention = te.DotProductAttention(
+        self.core_attention = PackedCuDNNAttention(  # te.DotProductAttention, called without its Python per call
             num_heads,
             head_dim,
             num_gqa_groups=num_groups,

@@ -13,7 +13,7 @@ from llama_testing import LLAMA3_ROPE, TINY_GQA_SHAPE, hf_llama_config, make_bat
 from transformers import LlamaForCausalLM
 from transformers.cache_utils import DynamicCache
 
-from llama3_te import packed_rope
+from llama3_te import packed_rope, te_attention
 from llama3_te.convert import convert_llama_hf_to_te
 from llama3_te.modeling_llama_te import NVLlamaConfig, NVLlamaForCausalLM, NVLlamaRotaryEmbedding, _split_fused_qkv
 from llama3_te.torch_layers import apply_rotary_pos_emb
@@ -342,6 +342,35 @@ def test_fused_model_learns_the_same_bits_with_the_rotation_in_the_split_or_in_t
         layer.self_attention.qkv_rotary = None
         layer.self_attention.layernorm_qkv.register_forward_hook(rotary._rotate_projection)
     assert_same_bits(loss_and_grads(), split)
+
+
+@pytest.mark.requires_gpu
+@pytest.mark.requires_te
+def test_fused_model_learns_the_same_bits_through_te_attention_and_the_direct_cudnn_calls(monkeypatch):
+    """The fused layers' attention (``te_attention.PackedCuDNNAttention``) runs TE's ``DotProductAttention`` on its
+    first call and TE's cuDNN kernels directly afterwards (grouped q/k/v as three tensors, causal): the whole model's
+    loss and every gradient are equal bit for bit between the two (deterministic attention, as above)."""
+    monkeypatch.setenv("NVTE_ALLOW_NONDETERMINISTIC_ALGO", "0")
+    calls = []
+    apply = te_attention._CuDNNAttention.apply
+    monkeypatch.setattr(te_attention._CuDNNAttention, "apply", lambda *args: calls.append(1) or apply(*args))
+    torch.manual_seed(0)
+    stock = randomize_(LlamaForCausalLM(hf_llama_config(LLAMA3_ROPE, **GPU_SHAPE)))
+    model = convert_llama_hf_to_te(stock, backend="te", fused_residual_norm=True).cuda().train()
+    batch = _batch("thd")
+
+    def loss_and_grads():
+        model.zero_grad(set_to_none=True)
+        with torch.autocast("cuda", dtype=torch.bfloat16):
+            loss = model(**batch).loss
+        loss.backward()
+        return [loss.detach()] + [p.grad.clone() for p in model.parameters()]
+
+    through_te = loss_and_grads()
+    assert calls == []
+    direct = loss_and_grads()
+    assert len(calls) == GPU_SHAPE["num_hidden_layers"]
+    assert all(torch.equal(a, b) for a, b in zip(direct, through_te))
 
 
 @pytest.mark.requires_gpu

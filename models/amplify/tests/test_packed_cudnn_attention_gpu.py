@@ -1,0 +1,164 @@
+"""te_attention.PackedCuDNNAttention: its first call with a signature runs TE's ``DotProductAttention``, later
+calls run TE's cuDNN kernels directly where TE chose them, with the same bits as TE's own path; every call that
+needs TE's path (fp32, FP8, another backend, other arguments) keeps taking it.
+
+cuDNN's attention backward may add dQ in any order unless TE asks for its deterministic algorithm, so every module
+here is built with ``NVTE_ALLOW_NONDETERMINISTIC_ALGO=0`` (read when TE's attention is built) and compared bit for
+bit."""
+
+import pytest
+import torch
+import torch.nn.functional as F
+from amplify_testing import make_batch, reference_model, reference_to_nv
+from model_contract import pack
+
+from amplify_te import te_attention
+
+
+pytestmark = [pytest.mark.requires_gpu, pytest.mark.requires_te]
+
+LENGTHS = [200, 130, 77, 250, 31]
+# (layout, heads, key/value heads, mask): AMPLIFY's and ESM-2's views of one QKV buffer (15 heads of 64, as AMPLIFY
+# 350M), and Llama's grouped-query attention with separate contiguous tensors and a causal mask.
+CASES = {"th3d": (15, 15, "padding"), "thd_thd_thd": (8, 2, "padding_causal")}
+
+
+@pytest.fixture
+def direct_calls(monkeypatch):
+    """How many times the direct cuDNN path ran."""
+    calls = []
+    apply = te_attention._CuDNNAttention.apply
+    monkeypatch.setattr(te_attention._CuDNNAttention, "apply", lambda *args: calls.append(1) or apply(*args))
+    return calls
+
+
+def _attention(cls, heads, groups, mask):
+    module = cls(heads, 64, num_gqa_groups=groups, attention_dropout=0.0, qkv_format="thd", attn_mask_type=mask)
+    assert module.deterministic
+    return module
+
+
+def _inputs(layout, heads, groups, dtype):
+    """Leaves (the QKV buffer, or query, key and value) and a function that makes query, key, value from them."""
+    torch.manual_seed(0)
+    tokens = sum(LENGTHS)
+    if layout == "th3d":
+        leaves = [torch.randn(tokens, heads, 3, 64, device="cuda", dtype=dtype, requires_grad=True)]
+        return leaves, lambda: te_attention.SplitPackedQKV.apply(leaves[0], -2)
+    shapes = [(tokens, heads, 64), (tokens, groups, 64), (tokens, groups, 64)]
+    leaves = [torch.randn(shape, device="cuda", dtype=dtype, requires_grad=True) for shape in shapes]
+    return leaves, lambda: leaves
+
+
+def _run(module, leaves, make_qkv, mask, **extra):
+    """Attention's output and the leaves' gradients for a fixed output gradient."""
+    for leaf in leaves:
+        leaf.grad = None
+    cu_seqlens = F.pad(torch.tensor(LENGTHS).cumsum(0), (1, 0)).to(torch.int32).cuda()
+    query, key, value = make_qkv()
+    out = module(
+        query,
+        key,
+        value,
+        qkv_format="thd",
+        attn_mask_type=mask,
+        cu_seqlens_q=cu_seqlens,
+        cu_seqlens_kv=cu_seqlens,
+        max_seqlen_q=max(LENGTHS),
+        max_seqlen_kv=max(LENGTHS),
+        **extra,
+    )
+    grad = torch.randn(out.shape, generator=torch.Generator("cuda").manual_seed(1), device="cuda", dtype=out.dtype)
+    out.backward(grad)
+    return [out.detach()] + [leaf.grad.clone() for leaf in leaves]
+
+
+def _assert_same_bits(actual, expected):
+    assert len(actual) == len(expected)
+    for a, e in zip(actual, expected):
+        assert a.shape == e.shape and torch.equal(a, e)
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=["bf16", "fp16"])
+@pytest.mark.parametrize("layout", list(CASES))
+def test_direct_calls_give_te_attention_bits(layout, dtype, direct_calls, monkeypatch):
+    monkeypatch.setenv("NVTE_ALLOW_NONDETERMINISTIC_ALGO", "0")
+    heads, groups, mask = CASES[layout]
+    leaves, make_qkv = _inputs(layout, heads, groups, dtype)
+    reference = _run(_attention(te_attention.te.DotProductAttention, heads, groups, mask), leaves, make_qkv, mask)
+    module = _attention(te_attention.PackedCuDNNAttention, heads, groups, mask)
+    first = _run(module, leaves, make_qkv, mask)
+    assert direct_calls == []  # the first call with a signature is TE's
+    assert list(module._cudnn_chosen.values()) == [True]
+    second = _run(module, leaves, make_qkv, mask)
+    assert direct_calls == [1]
+    _assert_same_bits(first, reference)
+    _assert_same_bits(second, reference)
+    if layout == "th3d":  # dQ, dK and dV side by side in one buffer, as TE's path gives them (no stacking copy)
+        query, key, value = make_qkv()
+        cu_seqlens = F.pad(torch.tensor(LENGTHS).cumsum(0), (1, 0)).to(torch.int32).cuda()
+        out = module(query, key, value, qkv_format="thd", cu_seqlens_q=cu_seqlens, max_seqlen_q=max(LENGTHS))
+        seen = []
+        query.register_hook(seen.append)
+        out.sum().backward()
+        assert seen[0].stride() == leaves[0].stride()[:2] + leaves[0].stride()[3:]
+
+
+def test_calls_that_need_te_path_keep_taking_it(direct_calls, monkeypatch):
+    """fp32 (cuDNN has no fp32 attention: TE runs its unfused path), an argument beyond the packed call's, and a
+    signature for which TE chose another backend (here: said to have)."""
+    monkeypatch.setenv("NVTE_ALLOW_NONDETERMINISTIC_ALGO", "0")
+    heads, groups, mask = CASES["th3d"]
+    module = _attention(te_attention.PackedCuDNNAttention, heads, groups, mask)
+    fp32_leaves, fp32_qkv = _inputs("th3d", heads, groups, torch.float32)
+    expected = _run(_attention(te_attention.te.DotProductAttention, heads, groups, mask), fp32_leaves, fp32_qkv, mask)
+    for _ in range(2):
+        _assert_same_bits(_run(module, fp32_leaves, fp32_qkv, mask), expected)
+    leaves, make_qkv = _inputs("th3d", heads, groups, torch.bfloat16)
+    for _ in range(2):
+        _run(module, leaves, make_qkv, mask, window_size=(-1, -1))
+    assert direct_calls == [] and module._cudnn_chosen == {}
+
+    monkeypatch.setattr(te_attention, "_te_chose_cudnn", lambda: False)
+    other = _attention(te_attention.PackedCuDNNAttention, heads, groups, mask)
+    for _ in range(2):
+        _run(other, leaves, make_qkv, mask)
+    assert direct_calls == [] and list(other._cudnn_chosen.values()) == [False]
+
+
+@pytest.mark.requires_fp8
+def test_fp8_autocast_takes_te_path(direct_calls, monkeypatch):
+    """Under FP8 autocast the call is TE's (which decides whether attention runs in FP8), also after the signature
+    was seen outside it."""
+    monkeypatch.setenv("NVTE_ALLOW_NONDETERMINISTIC_ALGO", "0")
+    heads, groups, mask = CASES["th3d"]
+    module = _attention(te_attention.PackedCuDNNAttention, heads, groups, mask)
+    leaves, make_qkv = _inputs("th3d", heads, groups, torch.bfloat16)
+    _run(module, leaves, make_qkv, mask)
+    with te_attention.te.fp8_autocast(enabled=True):
+        _run(module, leaves, make_qkv, mask)
+    assert direct_calls == []
+
+
+def test_fused_amplify_learns_the_same_bits_from_its_second_step_on(direct_calls, monkeypatch):
+    """The fused-layer AMPLIFY model (THD, bf16 autocast): the first step runs TE's attention, the second the direct
+    calls; loss and every gradient are equal bit for bit."""
+    monkeypatch.setenv("NVTE_ALLOW_NONDETERMINISTIC_ALGO", "0")
+    shape = {"num_hidden_layers": 2, "hidden_size": 960, "num_attention_heads": 15, "intermediate_size": 1920}
+    model = reference_to_nv(reference_model(shape), backend="te", fused_residual_norm=True).cuda().train()
+    assert all(isinstance(layer.self_attention.core_attention, te_attention.PackedCuDNNAttention)
+               for layer in model.amplify.layers)  # fmt: skip
+    batch = {k: v.cuda() if isinstance(v, torch.Tensor) else v for k, v in pack(make_batch(LENGTHS)).items()}
+
+    def loss_and_grads():
+        model.zero_grad(set_to_none=True)
+        with torch.autocast("cuda", dtype=torch.bfloat16):
+            loss = model(**batch).loss
+        loss.backward()
+        return [loss.detach()] + [p.grad.clone() for p in model.parameters()]
+
+    first = loss_and_grads()
+    assert direct_calls == []
+    second = loss_and_grads()
+    assert len(direct_calls) == shape["num_hidden_layers"]
+    _assert_same_bits(second, first)
