@@ -36,6 +36,9 @@ import torch
 
 try:
     import transformer_engine.pytorch as te
+except Exception:  # no TE (CPU), or a broken CUDA install raising at import: PackedCuDNNAttention is not offered
+    te = None
+try:  # TE's internals the direct calls need; a TE without them gets PackedCuDNNAttention taking TE's path always
     from transformer_engine.pytorch.attention.dot_product_attention import dot_product_attention as _te_dpa
     from transformer_engine.pytorch.cpp_extensions.fused_attn import FusedAttnBackend, fused_attn_bwd, fused_attn_fwd
 
@@ -43,8 +46,8 @@ try:
         from transformer_engine.pytorch.quantization import FP8GlobalStateManager
     except ImportError:  # TE releases before the quantization module
         from transformer_engine.pytorch.fp8 import FP8GlobalStateManager
-except Exception:  # no TE (CPU), or a TE without these entry points: PackedCuDNNAttention is then not offered
-    te = None
+except Exception:
+    _te_dpa = None
 
 
 class SplitPackedQKV(torch.autograd.Function):
@@ -241,11 +244,14 @@ class _CuDNNAttention(torch.autograd.Function):
         return d_query, d_key, d_value, None, None, None, None, None
 
 
-if te is not None:
+_DIRECT_CALL_POSSIBLE = False
+if _te_dpa is not None:
     (_FWD_PARAMETERS, _fwd_required), (_BWD_PARAMETERS, _bwd_required) = map(
         _parameters, (fused_attn_fwd, fused_attn_bwd)
     )
     _DIRECT_CALL_POSSIBLE = _fwd_required <= _FWD_ARGUMENTS and _bwd_required <= _BWD_ARGUMENTS
+
+if te is not None:
 
     def _te_chose_cudnn() -> bool:
         """Whether TE's last ``DotProductAttention`` call ran cuDNN's F16_arbitrary_seqlen kernels (its own record)."""
