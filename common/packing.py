@@ -4,7 +4,9 @@
 
 * BSHD: ``input_ids`` [batch, seq] and an optional 0/1 ``attention_mask`` (left or right padding); the padding is
   removed on the way in and put back on the way out (``PackedBatch.unpack``);
-* THD: ``input_ids`` [1, tokens] with ``cu_seq_lens_q`` (Hugging Face's flash-attention names), no mask;
+* THD: ``input_ids`` [1, tokens] with ``cu_seq_lens_q`` (Hugging Face's flash-attention names), no mask, and
+  optionally ``leading_full_sequences``: how many of the first sequences are ``max_length_q`` tokens long (collators
+  that put full windows first say so; fused layers attend over those as one dense batch);
 * context-parallel THD: this rank's share of every sequence, with the global ``cu_seq_lens_q`` and
   ``cu_seq_lens_q_padded`` (see ``_pack_context_parallel``), once the model has a CP group.
 
@@ -37,6 +39,8 @@ class PackedBatch:
     # are this rank's share (1 / cp_size of every padded sequence, see torch_layers.context_parallel_positions).
     cu_seqlens_padded: torch.Tensor | None = None
     cp_group: object | None = None
+    # THD: the first this many sequences are max_seqlen tokens long (checked in pack_inputs).
+    leading_full_sequences: int = 0
 
     def local_segment_lengths(self) -> torch.Tensor:
         """Tokens of each sequence held here (all of it, or this rank's share under context parallelism)."""
@@ -126,11 +130,17 @@ def pack_inputs(
     align_to: int = 1,
     cu_seq_lens_q_padded: torch.Tensor | None = None,
     cp_group=None,
+    leading_full_sequences: int = 0,
 ) -> PackedBatch:
     """Validate BSHD, THD or context-parallel THD inputs and return them packed (see the module docstring).
 
     ``align_to`` > 1 (FP8 GEMMs need token counts divisible by 16) appends one padding pseudo-sequence.
     """
+    if leading_full_sequences and (cu_seq_lens_q is None or cp_group is not None):
+        raise ValueError(
+            "leading_full_sequences describes a packed (THD) batch that is not split for context parallelism; "
+            f"got {leading_full_sequences} with " + ("context parallelism" if cp_group is not None else "BSHD input")
+        )
     if cp_group is not None:
         return _pack_context_parallel(
             input_ids, attention_mask, cu_seq_lens_q, cu_seq_lens_q_padded, max_length_q, cp_group
@@ -141,6 +151,7 @@ def pack_inputs(
         packed = _pack_bshd(input_ids, attention_mask, cu_seq_lens_k)
     else:
         packed = _pack_thd(input_ids, attention_mask, cu_seq_lens_q, cu_seq_lens_k, max_length_q)
+        packed.leading_full_sequences = _leading_full_sequences(packed, leading_full_sequences)
 
     remainder = packed.input_ids.numel() % align_to
     if remainder:
@@ -195,6 +206,21 @@ def _pack_thd(input_ids, attention_mask, cu_seq_lens_q, cu_seq_lens_k, max_lengt
     if max_length_q is None:  # costs a host-device sync; collators pass it
         max_length_q = int((cu_seqlens[1:] - cu_seqlens[:-1]).max())
     return PackedBatch(tokens, cu_seqlens, int(max_length_q))
+
+
+def _leading_full_sequences(packed: PackedBatch, count) -> int:
+    """``count``, checked: the first ``count`` sequences of ``packed`` are ``max_seqlen`` tokens long."""
+    sequences = packed.cu_seqlens.numel() - 1
+    if isinstance(count, bool) or not isinstance(count, int) or not 0 <= count <= sequences:
+        raise ValueError(f"leading_full_sequences must be an int in [0, {sequences}] (the sequences), got {count!r}")
+    if count:
+        lengths = packed.cu_seqlens[1 : count + 1] - packed.cu_seqlens[:count]
+        check(
+            (lengths == packed.max_seqlen).all(),
+            f"leading_full_sequences={count}, but not all of the first {count} sequences are max_length_q = "
+            f"{packed.max_seqlen} tokens long",
+        )
+    return count
 
 
 def _pack_context_parallel(input_ids, attention_mask, cu_seq_lens_q, cu_seq_lens_q_padded, max_length_q, cp_group):

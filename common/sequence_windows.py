@@ -38,3 +38,17 @@ def sequence_windows(
     tail = [] if eos_token_id is None else [eos_token_id]
     tokens = np.concatenate([np.array(head, dtype=tokens.dtype), tokens, np.array(tail, dtype=tokens.dtype)])
     return [tokens[start : start + window] for start in window_starts(len(tokens), window, overlap)]
+
+
+def full_windows_first(pieces: list[np.ndarray], window: int) -> tuple[list[np.ndarray], int]:
+    """``pieces`` of one packed batch with those exactly ``window`` tokens long moved to the front (each group keeps
+    its order), and how many those are.
+
+    A packed batch so ordered tells the model that its first sequences are full windows (``leading_full_sequences``),
+    and the fused layers then run their attention as one dense [windows, window] batch, which cuDNN runs faster than
+    the same work packed (docs/benchmarks.md). The order changes nothing that is learned: every piece is a sequence
+    of its own (attention never crosses pieces) and the loss is a mean over all tokens.
+    """
+    full = [piece for piece in pieces if len(piece) == window]
+    rest = [piece for piece in pieces if len(piece) != window]
+    return full + rest, len(full)

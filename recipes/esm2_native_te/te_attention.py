@@ -150,6 +150,19 @@ def packed_layout(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor) -
     return None
 
 
+def _at_buffer_start(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor) -> tuple[torch.Tensor, ...]:
+    """q/k/v as TE's layout detection (2.20) takes them: it refuses tensors that do not start their buffer (unless they
+    lie in the query's buffer, packed as TE packs them), such as the packed sequences that follow the full windows
+    ``FusedResidualTransformerLayer`` splits off. Such q/k/v are copied for TE's path; the direct calls take views."""
+    if any(type(t) is not torch.Tensor for t in (query, key, value)):  # FP8 tensors: TE's business
+        return query, key, value
+    buffer = query.untyped_storage().data_ptr()
+    off_start = query.storage_offset() != 0 or any(
+        t.storage_offset() != 0 and t.untyped_storage().data_ptr() != buffer for t in (key, value)
+    )
+    return tuple(t.clone() for t in (query, key, value)) if off_start else (query, key, value)
+
+
 def _parameters(function) -> tuple[set[str], set[str]]:
     """(every parameter name, the required ones) of one of TE's functions."""
     parameters = inspect.signature(function).parameters
@@ -303,6 +316,7 @@ if te is not None:
             signature = self._signature(query_layer, key_layer, value_layer, mask_type, arguments, more or others)
             chosen = self._cudnn_chosen.get(signature) if signature is not None else False
             if not chosen:
+                query_layer, key_layer, value_layer = _at_buffer_start(query_layer, key_layer, value_layer)
                 out = super().forward(query_layer, key_layer, value_layer, *arguments.values(), *more, **others)
                 if chosen is None:  # the first call with this signature: remember what TE chose
                     self._cudnn_chosen[signature] = _te_chose_cudnn()

@@ -225,7 +225,7 @@ class GenomicBatches(torch.utils.data.IterableDataset):
                 yield lambda group=group: collate_bshd(group, self.labels, self.pad_token_id)
 
     def _thd_batch(self, pieces: list[np.ndarray]) -> dict:
-        batch = collate_thd(pieces, self.labels)
+        batch = collate_thd(pieces, self.labels, self.cfg["max_seq_length"])
         return batch if self.cp_size == 1 else context_parallel_batch(batch, self.cp_size, self.pad_token_id)
 
     def __iter__(self):

@@ -21,6 +21,7 @@ counts of ``grad_accumulation.count_targets`` weight the micro-batches of a step
 
 import numpy as np
 import torch
+from sequence_windows import full_windows_first
 
 
 IGNORE_INDEX = -100
@@ -55,8 +56,15 @@ class LabelMaker:
         return self.table[input_ids]
 
 
-def collate_thd(pieces: list[np.ndarray], labels: LabelMaker) -> dict:
-    """Concatenate ``pieces`` into one packed row [1, tokens] with Hugging Face's flash-attention argument names."""
+def collate_thd(pieces: list[np.ndarray], labels: LabelMaker, window: int | None = None) -> dict:
+    """Concatenate ``pieces`` into one packed row [1, tokens] with Hugging Face's flash-attention argument names.
+
+    Given the ``window`` length, pieces of exactly that length go first (``sequence_windows.full_windows_first``) and
+    ``leading_full_sequences`` says how many there are: the model's fused layers attend over them as one dense batch.
+    """
+    leading_full = 0
+    if window is not None:
+        pieces, leading_full = full_windows_first(pieces, window)
     lengths = np.array([len(p) for p in pieces], dtype=np.int64)
     input_ids = np.concatenate(pieces).astype(np.int64)
     cu = torch.from_numpy(np.concatenate([[0], np.cumsum(lengths)]).astype(np.int32))
@@ -68,6 +76,7 @@ def collate_thd(pieces: list[np.ndarray], labels: LabelMaker) -> dict:
         "cu_seq_lens_k": cu.clone(),
         "max_length_q": longest,
         "max_length_k": longest,
+        "leading_full_sequences": leading_full,
     }
 
 

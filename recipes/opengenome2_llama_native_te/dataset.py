@@ -322,7 +322,7 @@ class GenomicStream(torch.utils.data.IterableDataset):
                     cursor or self.cursor,
                     self.batches + 1,
                 )  # state first: it counts this batch
-                batch = collate_thd(pieces, self.labels)
+                batch = collate_thd(pieces, self.labels, self.cfg["max_seq_length"])
                 yield batch if self.cp_size == 1 else context_parallel_batch(batch, self.cp_size, self.pad_token_id)
         else:
             for group, cursor in self._bshd_groups(windows):

@@ -424,6 +424,7 @@ class NVLlamaModel(NVLlamaPreTrainedModel):
         cu_seq_lens_k=None,
         max_length_q=None,
         cu_seq_lens_q_padded=None,
+        leading_full_sequences=0,
     ) -> PackedBatch:
         pad = self.config.pad_token_id if self.config.pad_token_id is not None else 0
         return pack_inputs(
@@ -436,6 +437,7 @@ class NVLlamaModel(NVLlamaPreTrainedModel):
             self._alignment(),
             cu_seq_lens_q_padded,
             self.cp_group,
+            leading_full_sequences,
         )
 
     def forward_packed(self, packed: PackedBatch, output_hidden_states: bool = False):
@@ -445,6 +447,8 @@ class NVLlamaModel(NVLlamaPreTrainedModel):
             refuse_delayed_scaling(self)  # recompute can also be switched on after construction
         fused = self.backend == "te" and self.config.fused_residual_norm
         rotary = layers_rotary_pos_emb(self.qkv_rotary, packed, self.rotary_emb(packed.max_seqlen), False, fused)
+        # Full windows first (the recipes' THD collators): the fused layers attend over them as one dense batch.
+        dense = {"leading_full_sequences": packed.leading_full_sequences} if fused else {}
         hidden, all_hidden = run_layer_stack(
             self,
             self.layers,
@@ -454,6 +458,7 @@ class NVLlamaModel(NVLlamaPreTrainedModel):
             output_hidden_states=output_hidden_states,
             rotary_pos_emb=rotary,
             **packed.layer_boundaries(),
+            **dense,
         )
         hidden = self.norm(hidden)
         if output_hidden_states:
@@ -523,15 +528,27 @@ class NVLlamaModel(NVLlamaPreTrainedModel):
         cu_seq_lens_k_padded: torch.Tensor | None = None,
         output_hidden_states: bool | None = None,
         return_dict: bool | None = None,
+        leading_full_sequences: int = 0,
         **kwargs,
     ) -> BaseModelOutputWithPast:
         """``position_ids`` are used with a cache only; packed runs restart positions at each sequence's first
-        real token, which is what ``generate`` computes for left- or right-padded batches."""
+        real token, which is what ``generate`` computes for left- or right-padded batches.
+
+        ``leading_full_sequences`` (THD): the first this many sequences are ``max_length_q`` tokens long, which the
+        recipes' collators arrange; the fused layers then attend over them as one dense batch (faster in cuDNN)."""
         if _wants_cache(past_key_values, use_cache):
             past_key_values = past_key_values if past_key_values is not None else DynamicCache(config=self.config)
             hidden = self.forward_cached(input_ids, attention_mask, position_ids, past_key_values)
             return BaseModelOutputWithPast(last_hidden_state=hidden, past_key_values=past_key_values)
-        packed = self.pack(input_ids, attention_mask, cu_seq_lens_q, cu_seq_lens_k, max_length_q, cu_seq_lens_q_padded)
+        packed = self.pack(
+            input_ids,
+            attention_mask,
+            cu_seq_lens_q,
+            cu_seq_lens_k,
+            max_length_q,
+            cu_seq_lens_q_padded,
+            leading_full_sequences,
+        )
         hidden, all_hidden = self.forward_packed(packed, bool(output_hidden_states))
         return BaseModelOutputWithPast(
             last_hidden_state=packed.unpack(hidden),
@@ -589,12 +606,14 @@ class NVLlamaForCausalLM(NVLlamaPreTrainedModel, GenerationMixin):
         shift_labels: torch.Tensor | None = None,
         cu_seq_lens_q_padded: torch.Tensor | None = None,
         cu_seq_lens_k_padded: torch.Tensor | None = None,
+        leading_full_sequences: int = 0,
         **kwargs,
     ) -> CausalLMOutputWithPast:
         """Next-token logits; ``labels`` are the input tokens (shifted inside, per sequence, as Hugging Face does).
 
         ``shift_labels`` (Hugging Face's name) are targets already shifted: token i is scored on ``shift_labels[i]``.
         Context-parallel shards need them, since a shard's next token may live on another rank.
+        ``leading_full_sequences``: as in ``NVLlamaModel.forward``.
         """
         if labels is not None and shift_labels is not None:
             raise ValueError("pass labels (shifted inside) or shift_labels (already shifted), not both")
@@ -607,7 +626,13 @@ class NVLlamaForCausalLM(NVLlamaPreTrainedModel, GenerationMixin):
                 hidden = hidden[:, -logits_to_keep:]
             return CausalLMOutputWithPast(logits=self._logits(hidden), past_key_values=out.past_key_values)
         packed = self.model.pack(
-            input_ids, attention_mask, cu_seq_lens_q, cu_seq_lens_k, max_length_q, cu_seq_lens_q_padded
+            input_ids,
+            attention_mask,
+            cu_seq_lens_q,
+            cu_seq_lens_k,
+            max_length_q,
+            cu_seq_lens_q_padded,
+            leading_full_sequences,
         )
         if packed.cp_group is not None and labels is not None:
             raise ValueError(

@@ -147,3 +147,21 @@ def test_context_parallel_batch_by_hand(tokenizer):
         shard_for_context_parallel(collate_thd([first], labels), 0, 2)
     with pytest.raises(ValueError, match="THD batches with labels"):
         context_parallel_batch(collate_bshd([first], labels, 0), 2, 0)
+
+
+def test_thd_puts_full_windows_first_and_says_how_many(tokenizer):
+    """Given the window length, pieces of exactly that length lead (each group in its order), their labels move with
+    them, and ``leading_full_sequences`` counts them; without it the batch keeps its order and says 0."""
+    labels = LabelMaker(tokenizer)
+    pieces = [ids(tokenizer, text) for text in ("AC", "GGGG", "TN", "CCCC", "A")]
+    batch = collate_thd(pieces, labels, window=4)
+    assert batch["cu_seq_lens_q"].tolist() == [0, 4, 8, 10, 12, 13]
+    assert batch["leading_full_sequences"] == 2
+    assert batch["max_length_q"] == 4
+    expected = np.concatenate([pieces[i] for i in (1, 3, 0, 2, 4)])
+    assert batch["input_ids"][0].tolist() == expected.tolist()
+    assert batch["labels"][0].tolist() == labels(expected).tolist()
+    as_packed = collate_thd(pieces, labels)
+    assert as_packed["leading_full_sequences"] == 0
+    assert as_packed["cu_seq_lens_q"].tolist() == [0, 2, 6, 8, 12, 13]
+    assert collate_thd(pieces[:1], labels, window=4)["leading_full_sequences"] == 0
