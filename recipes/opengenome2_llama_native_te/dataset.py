@@ -189,6 +189,8 @@ def iter_records(
             for index, (_, sequence) in enumerate(iter_fasta(file)):
                 if index >= skip and keep(index):
                     yield index, Record(sequence)
+    except GeneratorExit:  # the stream closed early (also at interpreter exit, when pa's names may be gone already)
+        raise
     except (OSError, EOFError, UnicodeDecodeError, pa.ArrowException) as error:  # truncated gzip, not Parquet, ...
         raise ConfigError(
             f"{file}: cannot be read as {kind} ({error}); check the file or its name's suffix"

@@ -2,6 +2,9 @@
 
 import gzip
 import json
+import subprocess
+import sys
+from pathlib import Path
 
 import numpy as np
 import pyarrow as pa
@@ -207,3 +210,23 @@ def test_resuming_with_other_files_is_refused(tmp_path, tokenizer):
     single = create_dataloader({"path": str(tmp_path / "a.jsonl.gz"), "num_workers": 0}, tokenizer)
     with pytest.raises(ValueError, match="Keep dataset.path unchanged"):
         single.dataset.load_state_dict(state)
+
+
+def test_a_stream_left_open_closes_quietly_at_exit(tmp_path):
+    """A process that stops reading mid-stream (num_workers=0) exits without "Exception ignored" noise: closing the
+    record generator at interpreter exit must not evaluate the except clause for unreadable files, whose pyarrow
+    names may already be gone then."""
+    path = write_jsonl_gz(tmp_path / "x.jsonl.gz", random_dna(np.random.default_rng(0), [900, 700]))
+    recipe = Path(__file__).resolve().parents[1]
+    script = (
+        "from transformers import AutoTokenizer\n"
+        "from dataset import create_dataloader\n"
+        "tokenizer = AutoTokenizer.from_pretrained('tokenizer')\n"
+        f"loader = create_dataloader({{'path': {str(path)!r}, 'max_seq_length': 256, 'window_overlap': 0, "
+        "'token_budget': 512, 'num_workers': 0}, tokenizer)\n"
+        "stream = iter(loader)\n"
+        "next(stream)\n"
+    )
+    done = subprocess.run([sys.executable, "-c", script], cwd=recipe, capture_output=True, text=True, timeout=120)
+    assert done.returncode == 0, done.stderr
+    assert "Exception ignored" not in done.stderr, done.stderr
