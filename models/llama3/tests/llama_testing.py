@@ -23,6 +23,14 @@ TINY_SHAPE = {
     "intermediate_size": 128,
 }
 TINY_GQA_SHAPE = {**TINY_SHAPE, "num_key_value_heads": 2}
+# Llama 3.2 1B's head shape (head_dim 64, 4 query heads per key/value group) at a small width and depth.
+GPU_SHAPE = {
+    "num_hidden_layers": 3,
+    "hidden_size": 512,
+    "num_attention_heads": 8,
+    "num_key_value_heads": 2,
+    "intermediate_size": 1024,
+}
 LLAMA3_ROPE = {
     "rope_type": "llama3",
     "rope_theta": 500000.0,
@@ -79,3 +87,8 @@ def make_batch(lengths: list[int], seed: int = 0, padding_side: str = "right"):
         attention_mask[row, where] = 1
     labels = input_ids.masked_fill(attention_mask == 0, -100)
     return input_ids, attention_mask, labels
+
+
+def relative_error(actual: torch.Tensor, expected: torch.Tensor) -> float:
+    """||actual - expected|| / ||expected|| in float32."""
+    return ((actual.float() - expected.float()).norm() / expected.float().norm().clamp(min=1e-12)).item()

@@ -13,7 +13,7 @@ from types import SimpleNamespace
 
 import pytest
 import torch
-from llama_testing import LLAMA3_ROPE, TINY_GQA_SHAPE, hf_llama_config, randomize_
+from llama_testing import GPU_SHAPE, LLAMA3_ROPE, TINY_GQA_SHAPE, hf_llama_config, randomize_, relative_error
 from transformers import LlamaForCausalLM
 
 from llama3_te.convert import convert_llama_hf_to_te
@@ -138,19 +138,6 @@ def test_te_gets_copies_of_views_that_do_not_start_their_buffer():
         assert all(c.storage_offset() == 0 and torch.equal(c, r) for c, r in zip(copies, rest))
 
 
-GPU_SHAPE = {
-    "num_hidden_layers": 3,
-    "hidden_size": 512,
-    "num_attention_heads": 8,
-    "num_key_value_heads": 2,
-    "intermediate_size": 1024,
-}
-
-
-def _relative_error(actual: torch.Tensor, expected: torch.Tensor) -> float:
-    return ((actual.float() - expected.float()).norm() / expected.float().norm().clamp(min=1e-12)).item()
-
-
 @pytest.mark.requires_gpu
 @pytest.mark.requires_te
 @pytest.mark.parametrize("recompute", [False, True], ids=["keep", "recompute"])
@@ -188,8 +175,8 @@ def test_fused_model_with_the_hint_learns_what_it_learns_without(recompute, monk
     assert set(formats) == {"thd"}
     errors = {
         "loss": abs(split[0].item() - plain[0].item()) / abs(plain[0].item()),
-        "logits": _relative_error(split[1], plain[1]),
-        "grads": max(_relative_error(g, plain[2][n]) for n, g in split[2].items()),
+        "logits": relative_error(split[1], plain[1]),
+        "grads": max(relative_error(g, plain[2][n]) for n, g in split[2].items()),
     }
     print(recompute, errors)
     assert errors["loss"] < 1e-3 and errors["logits"] < 1e-2 and errors["grads"] < 2e-2, errors
@@ -233,6 +220,6 @@ def test_split_attention_at_llama_1b_heads_equals_one_packed_call():
         out.backward(grad)
         results.append([out.detach()] + [leaf.grad for leaf in leaves])
     split, _, whole = results
-    errors = [_relative_error(a, b) for a, b in zip(split, whole)]
+    errors = [relative_error(a, b) for a, b in zip(split, whole)]
     print("out, dq, dk, dv relative errors", errors)
     assert max(errors[0], errors[2], errors[3]) < 1e-2 and errors[1] < 2e-2, errors

@@ -9,7 +9,15 @@ from a meta-device init.
 
 import pytest
 import torch
-from llama_testing import LLAMA3_ROPE, TINY_GQA_SHAPE, hf_llama_config, make_batch, randomize_
+from llama_testing import (
+    GPU_SHAPE,
+    LLAMA3_ROPE,
+    TINY_GQA_SHAPE,
+    hf_llama_config,
+    make_batch,
+    randomize_,
+    relative_error,
+)
 from transformers import LlamaForCausalLM
 from transformers.cache_utils import DynamicCache
 
@@ -182,19 +190,6 @@ def test_the_torch_backend_ignores_the_switch_so_an_export_loads_anywhere():
 
 # ------------------------------------------------------------------------------------------------------ GPU
 
-# Llama 3.2 1B's head shape (head_dim 64, 4 query heads per key/value group) at a small width and depth.
-GPU_SHAPE = {
-    "num_hidden_layers": 3,
-    "hidden_size": 512,
-    "num_attention_heads": 8,
-    "num_key_value_heads": 2,
-    "intermediate_size": 1024,
-}
-
-
-def _relative_error(actual: torch.Tensor, expected: torch.Tensor) -> float:
-    return ((actual.float() - expected.float()).norm() / expected.float().norm().clamp(min=1e-12)).item()
-
 
 def _three_models():
     """One random stock Llama's weights as the torch layers, TE's layers and the fused layers, on the GPU."""
@@ -265,8 +260,8 @@ def test_fused_layers_compute_what_the_other_layers_compute(precision, input_for
         assert all(ref_grads[n] is not None and g is not None for n, g in grads.items())
         return {
             "loss": abs(loss.item() - ref_loss.item()) / abs(ref_loss.item()),
-            "logits": _relative_error(logits, ref_logits),
-            "grads": max(_relative_error(g, ref_grads[n]) for n, g in grads.items()),
+            "logits": relative_error(logits, ref_logits),
+            "grads": max(relative_error(g, ref_grads[n]) for n, g in grads.items()),
         }
 
     measured = {pair: errors(*pair) for pair in (("fused", "torch"), ("te", "torch"), ("fused", "te"))}
@@ -396,7 +391,7 @@ def test_fused_model_decodes_through_the_cache_as_its_full_forward():
         again = fused(input_ids, attention_mask=attention_mask).logits.float()
     cached = torch.cat([step.logits.float() for step in steps], dim=1)
     real = attention_mask.bool()
-    assert _relative_error(cached[real], full[real]) < 1e-3
+    assert relative_error(cached[real], full[real]) < 1e-3
     torch.testing.assert_close(again, full)
     prompts = {"input_ids": input_ids[:, :prefill], "attention_mask": attention_mask[:, :prefill]}
     kwargs = {"max_new_tokens": 16, "do_sample": False, "pad_token_id": 0, "eos_token_id": None}
