@@ -11,6 +11,7 @@ without recompute, and at Llama 3.2 1B's heads the split attention equals one pa
 
 from types import SimpleNamespace
 
+import numpy as np
 import pytest
 import torch
 from llama_testing import GPU_SHAPE, LLAMA3_ROPE, TINY_GQA_SHAPE, hf_llama_config, randomize_, relative_error
@@ -37,6 +38,7 @@ def test_the_hint_is_kept_when_the_first_sequences_are_full():
     assert _pack([6, 6, 2, 5], 2).leading_full_sequences == 2
     assert _pack([6, 6, 2, 5], 0).leading_full_sequences == 0
     assert _pack([6, 6, 6], 3).leading_full_sequences == 3
+    assert _pack([6, 6, 2], np.int64(2)).leading_full_sequences == 2  # a NumPy count from a user's collator
 
 
 @pytest.mark.parametrize(

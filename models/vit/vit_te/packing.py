@@ -17,6 +17,7 @@ Checks that look at tensor values use ``torch._assert_async`` on CUDA, so valida
 This file travels with the modeling files (recipes carry copies, exports ship it beside them).
 """
 
+import numbers
 from dataclasses import dataclass
 
 import torch
@@ -212,8 +213,9 @@ def _pack_thd(input_ids, attention_mask, cu_seq_lens_q, cu_seq_lens_k, max_lengt
 def _leading_full_sequences(packed: PackedBatch, count) -> int:
     """``count``, checked: the first ``count`` sequences of ``packed`` are ``max_seqlen`` tokens long."""
     sequences = packed.cu_seqlens.numel() - 1
-    if isinstance(count, bool) or not isinstance(count, int) or not 0 <= count <= sequences:
+    if isinstance(count, bool) or not isinstance(count, numbers.Integral) or not 0 <= count <= sequences:
         raise ValueError(f"leading_full_sequences must be an int in [0, {sequences}] (the sequences), got {count!r}")
+    count = int(count)  # a NumPy integer from a user's collator, too
     if count:
         lengths = packed.cu_seqlens[1 : count + 1] - packed.cu_seqlens[:count]
         check(
