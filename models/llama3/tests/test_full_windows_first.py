@@ -42,19 +42,19 @@ def test_the_hint_is_kept_when_the_first_sequences_are_full():
 
 
 @pytest.mark.parametrize(
-    ("lengths", "leading", "message"),
+    ("lengths", "max_length", "leading", "message"),
     [
-        ([6, 2, 6, 5], 2, "not all of the first 2 sequences"),  # a short one among them
-        ([6, 6, 2], 2, "not all of the first 2"),  # max_length_q says 8: none is full
-        ([6, 6, 2], 4, r"in \[0, 3\]"),
-        ([6, 6, 2], -1, r"in \[0, 3\]"),
-        ([6, 6, 2], 1.0, "must be an int"),
-        ([6, 6, 2], True, "must be an int"),
+        ([6, 2, 6, 5], None, 2, "not all of the first 2 sequences"),  # a short one among them
+        ([6, 6, 2], 8, 2, "not all of the first 2"),  # max_length_q says 8: none is full
+        ([6, 6, 2], None, 4, r"in \[0, 3\]"),
+        ([6, 6, 2], None, -1, r"in \[0, 3\]"),
+        ([6, 6, 2], None, 1.0, "must be an int"),
+        ([6, 6, 2], None, True, "must be an int"),
     ],
 )
-def test_a_wrong_hint_is_refused(lengths, leading, message):
+def test_a_wrong_hint_is_refused(lengths, max_length, leading, message):
     with pytest.raises(ValueError, match=message):
-        _pack(lengths, leading, max_length=8 if lengths == [6, 6, 2] and leading == 2 else None)
+        _pack(lengths, leading, max_length)
 
 
 def test_the_hint_is_refused_for_padded_input():
