@@ -31,12 +31,14 @@ import torch
 
 logger = logging.getLogger(__name__)
 
-# Files a modeling file imports from beside it; an export ships those of them that sit beside it (te_attention.py
-# belongs to the models whose TE attention takes packed QKV, activation_recompute.py and layer_stack.py to all but
-# ViT, packed_rope.py, fused_residual_layer.py and residual_norm.py to ESM-2, AMPLIFY and Llama, layer_autocast.py to
-# all).
+# Files a modeling file imports from beside it; an export ships those of them that sit beside it (the torch
+# backend's three files and layer_autocast.py to all; te_attention.py to the models whose TE attention takes packed
+# QKV, activation_recompute.py and layer_stack.py to all but ViT, packed_rope.py, fused_residual_layer.py and
+# residual_norm.py to ESM-2, AMPLIFY and Llama).
 MODELING_SUPPORT_FILES = (
     "torch_layers.py",
+    "torch_attention.py",
+    "torch_norm_linear.py",
     "packing.py",
     "meta_init.py",
     "te_attention.py",

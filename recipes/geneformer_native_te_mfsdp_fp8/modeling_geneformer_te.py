@@ -41,6 +41,7 @@ try:  # package import (models/geneformer, exported checkpoints)
     from .packing import IGNORE_INDEX, PackedBatch, pack_inputs, token_mean_loss
     from .te_attention import split_packed_qkv
     from .torch_layers import TransformerLayer as TorchTransformerLayer
+    from .torch_layers import is_torch_twin
 except ImportError:  # flat copy inside a recipe folder
     from activation_recompute import refuse_delayed_scaling, validate_recompute_layers
     from layer_autocast import LayerAutocast
@@ -49,6 +50,7 @@ except ImportError:  # flat copy inside a recipe folder
     from packing import IGNORE_INDEX, PackedBatch, pack_inputs, token_mean_loss
     from te_attention import split_packed_qkv
     from torch_layers import TransformerLayer as TorchTransformerLayer
+    from torch_layers import is_torch_twin
 
 try:
     import transformer_engine.pytorch as te
@@ -231,7 +233,7 @@ def _is_backend_layer(module: nn.Module) -> bool:
     origin = type(module).__module__
     return (
         hasattr(module, "reset_parameters")
-        and (origin.startswith("transformer_engine") or origin == TorchTransformerLayer.__module__)
+        and (origin.startswith("transformer_engine") or is_torch_twin(module))
         and any(True for _ in module.parameters(recurse=False))
     )
 

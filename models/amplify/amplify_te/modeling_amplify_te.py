@@ -47,6 +47,7 @@ try:  # package import (models/amplify, exported checkpoints)
     from .packing import PackedBatch, pack_inputs, token_mean_loss
     from .te_attention import split_packed_qkv
     from .torch_layers import TransformerLayer as TorchTransformerLayer
+    from .torch_layers import is_torch_twin
 except ImportError:  # flat copy inside a recipe folder
     from activation_recompute import refuse_delayed_scaling, validate_recompute_layers
     from fused_residual_layer import FusedResidualTransformerLayer
@@ -57,6 +58,7 @@ except ImportError:  # flat copy inside a recipe folder
     from packing import PackedBatch, pack_inputs, token_mean_loss
     from te_attention import split_packed_qkv
     from torch_layers import TransformerLayer as TorchTransformerLayer
+    from torch_layers import is_torch_twin
 
 try:
     import transformer_engine.pytorch as te
@@ -281,7 +283,8 @@ def _is_backend_layer(module: nn.Module) -> bool:
         hasattr(module, "reset_parameters")
         and (
             origin.startswith("transformer_engine")
-            or origin in (TorchTransformerLayer.__module__, FusedResidualTransformerLayer.__module__)
+            or is_torch_twin(module)
+            or origin == FusedResidualTransformerLayer.__module__
         )
         and any(True for _ in module.parameters(recurse=False))
     )

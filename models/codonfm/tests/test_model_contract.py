@@ -50,6 +50,8 @@ CONTRACTS = {
         modeling_files=(
             "modeling_codonfm_te.py",
             "torch_layers.py",
+            "torch_attention.py",
+            "torch_norm_linear.py",
             "packing.py",
             "meta_init.py",
             "activation_recompute.py",

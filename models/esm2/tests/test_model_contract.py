@@ -53,6 +53,8 @@ CONTRACTS = {
         modeling_files=(
             "modeling_esm_te.py",
             "torch_layers.py",
+            "torch_attention.py",
+            "torch_norm_linear.py",
             "packing.py",
             "meta_init.py",
             "te_attention.py",

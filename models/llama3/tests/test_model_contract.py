@@ -66,6 +66,8 @@ def llama_contract(tie: bool, shape: str, rope: str) -> ModelContract:
         modeling_files=(
             "modeling_llama_te.py",
             "torch_layers.py",
+            "torch_attention.py",
+            "torch_norm_linear.py",
             "packing.py",
             "meta_init.py",
             "activation_recompute.py",

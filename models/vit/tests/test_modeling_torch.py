@@ -133,7 +133,15 @@ def test_export_writes_a_complete_directory_and_config(tmp_path):
     _, out = export_stock_model(tmp_path)
     names = {p.name for p in out.iterdir()}
     wanted = {"config.json", "model.safetensors", "preprocessor_config.json", "README.md", "LICENSE"}
-    wanted |= {"modeling_vit_te.py", "torch_layers.py", "packing.py", "meta_init.py", "layer_autocast.py"}
+    wanted |= {
+        "modeling_vit_te.py",
+        "torch_layers.py",
+        "torch_attention.py",
+        "torch_norm_linear.py",
+        "packing.py",
+        "meta_init.py",
+        "layer_autocast.py",
+    }
     assert wanted <= names, sorted(wanted - names)
     assert sorted(p.name for p in tmp_path.iterdir()) == ["exported", "hf"]  # staged, then renamed
     config = json.loads((out / "config.json").read_text())

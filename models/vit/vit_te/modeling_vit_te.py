@@ -38,10 +38,12 @@ try:  # package import (models/vit, exported checkpoints)
     from .layer_autocast import LayerAutocast
     from .meta_init import materialize_meta_model
     from .torch_layers import TransformerLayer as TorchTransformerLayer
+    from .torch_layers import is_torch_twin
 except ImportError:  # flat copy inside a recipe folder
     from layer_autocast import LayerAutocast
     from meta_init import materialize_meta_model
     from torch_layers import TransformerLayer as TorchTransformerLayer
+    from torch_layers import is_torch_twin
 
 try:
     import transformer_engine.pytorch as te
@@ -289,7 +291,7 @@ def _is_backend_layer(module: nn.Module) -> bool:
     origin = type(module).__module__
     return (
         hasattr(module, "reset_parameters")
-        and (origin.startswith("transformer_engine") or origin == TorchTransformerLayer.__module__)
+        and (origin.startswith("transformer_engine") or is_torch_twin(module))
         and any(True for _ in module.parameters(recurse=False))
     )
 
