@@ -1,6 +1,7 @@
 """AMPLIFY with TransformerEngine layers (and a pure-PyTorch fallback), compatible with Hugging Face transformers."""
 
-from .modeling_amplify_te import AUTO_MAP, NVAmplifyConfig, NVAmplifyForMaskedLM, NVAmplifyModel
+from .configuration_amplify_te import NVAmplifyConfig
+from .modeling_amplify_te import AUTO_MAP, NVAmplifyForMaskedLM, NVAmplifyModel
 
 
 __all__ = ["AUTO_MAP", "NVAmplifyConfig", "NVAmplifyForMaskedLM", "NVAmplifyModel"]

@@ -9,7 +9,8 @@ import torch
 from amplify_reference import AmplifyReference, AmplifyReferenceConfig
 from amplify_testing import MODEL_CONFIGS, TINY_SHAPE
 
-from amplify_te.modeling_amplify_te import NVAmplifyConfig, NVAmplifyForMaskedLM, swiglu_hidden_size
+from amplify_te.configuration_amplify_te import NVAmplifyConfig, swiglu_hidden_size
+from amplify_te.modeling_amplify_te import NVAmplifyForMaskedLM
 
 
 @pytest.mark.parametrize(

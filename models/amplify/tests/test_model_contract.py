@@ -50,6 +50,7 @@ CONTRACTS = {
         tokenizer_texts=("MKTAYIAKQRQISFVK", "MSEQ"),
         modeling_files=(
             "modeling_amplify_te.py",
+            "configuration_amplify_te.py",
             "torch_layers.py",
             "torch_attention.py",
             "torch_norm_linear.py",

@@ -1,9 +1,9 @@
 """CodonFM's Encodon with TransformerEngine layers (and a pure-PyTorch fallback), compatible with Hugging Face."""
 
+from .configuration_codonfm_te import NVEncodonConfig
 from .modeling_codonfm_te import (
     AUTO_MAP,
     EncodonLayer,
-    NVEncodonConfig,
     NVEncodonForMaskedLM,
     NVEncodonForSequenceClassification,
     NVEncodonModel,

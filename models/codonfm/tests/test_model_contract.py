@@ -49,6 +49,7 @@ CONTRACTS = {
         tokenizer_texts=("ATGGCCAAGTTTGGACTGTAA", "ATGAAATGA"),
         modeling_files=(
             "modeling_codonfm_te.py",
+            "configuration_codonfm_te.py",
             "torch_layers.py",
             "torch_attention.py",
             "torch_norm_linear.py",

@@ -52,6 +52,7 @@ CONTRACTS = {
         tokenizer_texts=("MKTAYIAKQRQISFVK", "MSEQ"),
         modeling_files=(
             "modeling_esm_te.py",
+            "configuration_esm_te.py",
             "torch_layers.py",
             "torch_attention.py",
             "torch_norm_linear.py",

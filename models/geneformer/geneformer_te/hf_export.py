@@ -67,17 +67,19 @@ def modeling_files(model: torch.nn.Module) -> tuple[list[Path], dict[str, str], 
     """The files an export ships, the ``AUTO_MAP`` and the architecture name of ``model``.
 
     The modeling file is the module that defines the model's class and an ``AUTO_MAP``. FSDP2 swaps in a subclass of
-    its own, so look through the class hierarchy.
+    its own, so look through the class hierarchy. Every module the ``AUTO_MAP`` names ships (the modeling file and the
+    configuration file, ``configuration_<x>_te.py``), with the support files beside them.
     """
     for cls in type(model).__mro__:
         module = sys.modules.get(cls.__module__)
         if module is not None and hasattr(module, "AUTO_MAP"):
             path = Path(module.__file__)
-            return (
-                [path] + [path.with_name(name) for name in MODELING_SUPPORT_FILES if path.with_name(name).is_file()],
-                dict(module.AUTO_MAP),
-                cls.__name__,
-            )
+            named = dict.fromkeys(path.with_name(target.split(".")[0] + ".py") for target in module.AUTO_MAP.values())
+            missing = [str(file) for file in named if not file.is_file()]
+            if missing:
+                raise FileNotFoundError(f"{path.name}'s AUTO_MAP names modules that are not beside it: {missing}")
+            support = [path.with_name(name) for name in MODELING_SUPPORT_FILES if path.with_name(name).is_file()]
+            return [path, *(file for file in named if file != path), *support], dict(module.AUTO_MAP), cls.__name__
     raise TypeError(
         f"{type(model).__name__} is not defined in a modeling file with an AUTO_MAP: it cannot be exported"
     )

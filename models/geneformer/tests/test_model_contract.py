@@ -52,6 +52,7 @@ CONTRACTS = {
         tokenizer_texts=("17 523 9 44 5 981", "300 2"),
         modeling_files=(
             "modeling_geneformer_te.py",
+            "configuration_geneformer_te.py",
             "torch_layers.py",
             "torch_attention.py",
             "torch_norm_linear.py",

@@ -65,6 +65,7 @@ def llama_contract(tie: bool, shape: str, rope: str) -> ModelContract:
         tokenizer_texts=("ACGTTGCAACGTNNRY", "GATTACA"),
         modeling_files=(
             "modeling_llama_te.py",
+            "configuration_llama_te.py",
             "torch_layers.py",
             "torch_attention.py",
             "torch_norm_linear.py",

@@ -1,7 +1,8 @@
 """Vision Transformer with TransformerEngine layers (and a pure-PyTorch fallback), compatible with Hugging Face
 transformers."""
 
-from .modeling_vit_te import AUTO_MAP, NVViTConfig, NVViTForImageClassification, NVViTModel
+from .configuration_vit_te import NVViTConfig
+from .modeling_vit_te import AUTO_MAP, NVViTForImageClassification, NVViTModel
 
 
 __all__ = ["AUTO_MAP", "NVViTConfig", "NVViTForImageClassification", "NVViTModel"]

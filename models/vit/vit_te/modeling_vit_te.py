@@ -30,16 +30,18 @@ import math
 import torch
 import torch.nn.functional as F
 from torch import nn
-from transformers import PreTrainedModel, ViTConfig
+from transformers import PreTrainedModel
 from transformers.modeling_outputs import BaseModelOutputWithPooling, ImageClassifierOutput
 
 
 try:  # package import (models/vit, exported checkpoints)
+    from .configuration_vit_te import QUANTIZED_TOKEN_ALIGNMENT, NVViTConfig, as_pair
     from .layer_autocast import LayerAutocast
     from .meta_init import materialize_meta_model
     from .torch_layers import TransformerLayer as TorchTransformerLayer
     from .torch_layers import is_torch_twin
 except ImportError:  # flat copy inside a recipe folder
+    from configuration_vit_te import QUANTIZED_TOKEN_ALIGNMENT, NVViTConfig, as_pair
     from layer_autocast import LayerAutocast
     from meta_init import materialize_meta_model
     from torch_layers import TransformerLayer as TorchTransformerLayer
@@ -55,65 +57,10 @@ except Exception as error:  # ImportError, or a broken CUDA install raising at i
 
 
 AUTO_MAP = {
-    "AutoConfig": "modeling_vit_te.NVViTConfig",
+    "AutoConfig": "configuration_vit_te.NVViTConfig",
     "AutoModel": "modeling_vit_te.NVViTModel",
     "AutoModelForImageClassification": "modeling_vit_te.NVViTForImageClassification",
 }
-
-BACKENDS = ("auto", "te", "torch")
-LAYER_PRECISIONS = (None, "fp8", "fp4")
-# FP8/FP4 GEMMs need the token count (the rows of every GEMM) to be a multiple of 16.
-_QUANTIZED_TOKEN_ALIGNMENT = 16
-
-
-class NVViTConfig(ViTConfig):
-    """``ViTConfig`` plus the backend and per-layer precision. Defaults are ViT-Base/16 at 224 pixels."""
-
-    # The stock model type, so that Hugging Face's image processors and a plain AutoConfig read an export without
-    # running custom code. Our classes load through ``auto_map`` with ``trust_remote_code=True``; the exported
-    # ``architectures`` (NVViT...) tell the two layouts apart.
-    model_type = "vit"
-
-    # "auto" | "te" | "torch"; see module docstring.
-    backend: str = "auto"
-    # One entry per layer: None (bf16/fp32), "fp8" or "fp4"; the matching TE recipe is passed to the model.
-    layer_precision: list | None = None
-
-    def __post_init__(self, **kwargs):
-        super().__post_init__(**kwargs)
-        self.validate_nv_vit()
-
-    def validate_nv_vit(self) -> None:
-        """Raise ``ValueError`` naming every setting this implementation cannot honour."""
-        problems = []
-        if self.backend not in BACKENDS:
-            problems.append(f"backend must be one of {BACKENDS}, got {self.backend!r}")
-        if self.hidden_act != "gelu":
-            problems.append(f"only hidden_act='gelu' is supported, got {self.hidden_act!r}")
-        if not self.qkv_bias:
-            problems.append("qkv_bias=False is not supported (TE's layers give every projection a bias)")
-        if self.hidden_size % self.num_attention_heads:
-            problems.append(
-                f"hidden_size ({self.hidden_size}) must be divisible by num_attention_heads ({self.num_attention_heads})"
-            )
-        for side in _pair(self.image_size):
-            if side % self.patch_size:
-                problems.append(f"image_size ({self.image_size}) must be a multiple of patch_size ({self.patch_size})")
-                break
-        if self.layer_precision is not None:
-            if len(self.layer_precision) != self.num_hidden_layers:
-                problems.append(
-                    f"layer_precision has {len(self.layer_precision)} entries for {self.num_hidden_layers} layers"
-                )
-            bad = sorted({str(p) for p in self.layer_precision if p not in LAYER_PRECISIONS})
-            if bad:
-                problems.append(f"layer_precision entries must be None, 'fp8' or 'fp4', got {bad}")
-        if problems:
-            raise ValueError("Invalid NVViTConfig: " + "; ".join(problems))
-
-
-def _pair(value) -> tuple[int, int]:
-    return tuple(value) if isinstance(value, list | tuple) else (value, value)
 
 
 def resolve_backend(requested: str) -> str:
@@ -132,7 +79,7 @@ class NVViTPatchEmbeddings(nn.Module):
 
     def __init__(self, config: NVViTConfig):
         super().__init__()
-        self.image_size = _pair(config.image_size)
+        self.image_size = as_pair(config.image_size)
         self.patch_size = config.patch_size
         self.num_channels = config.num_channels
         self.num_patches = (self.image_size[0] // self.patch_size) * (self.image_size[1] // self.patch_size)
@@ -364,7 +311,7 @@ class NVViTModel(NVViTPreTrainedModel):
     def _pad_for_quantized_gemms(self, hidden: torch.Tensor) -> tuple[torch.Tensor, dict]:
         """Pad the sequence to a multiple of 16 tokens when any layer is quantized; the padding keys are masked."""
         tokens = hidden.shape[1]
-        padded = _QUANTIZED_TOKEN_ALIGNMENT * math.ceil(tokens / _QUANTIZED_TOKEN_ALIGNMENT)
+        padded = QUANTIZED_TOKEN_ALIGNMENT * math.ceil(tokens / QUANTIZED_TOKEN_ALIGNMENT)
         if all(p is None for p in self.layer_precision) or padded == tokens:
             return hidden, {}
         hidden = F.pad(hidden, (0, 0, 0, padded - tokens))
