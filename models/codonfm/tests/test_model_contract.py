@@ -50,6 +50,7 @@ CONTRACTS = {
         modeling_files=(
             "modeling_codonfm_te.py",
             "configuration_codonfm_te.py",
+            "encodon_layer.py",
             "torch_layers.py",
             "torch_attention.py",
             "torch_norm_linear.py",

@@ -23,7 +23,8 @@ from transformers.cache_utils import DynamicCache
 
 from llama3_te import packed_rope, te_attention
 from llama3_te.convert import convert_llama_hf_to_te
-from llama3_te.modeling_llama_te import NVLlamaConfig, NVLlamaForCausalLM, NVLlamaRotaryEmbedding, _split_fused_qkv
+from llama3_te.llama_decoding import split_fused_qkv
+from llama3_te.modeling_llama_te import NVLlamaConfig, NVLlamaForCausalLM, NVLlamaRotaryEmbedding
 from llama3_te.torch_layers import apply_rotary_pos_emb
 
 
@@ -50,7 +51,7 @@ def _config(**overrides) -> NVLlamaConfig:
 @pytest.mark.parametrize(("heads", "groups"), [(8, 2), (6, 3), (4, 4), (5, 1)], ids=["4-per-group", "2", "mha", "mqa"])
 def test_kernel_rotates_the_grouped_projection_as_the_model_rotates_its_split(interpreted_kernel, heads, groups):
     """In place, on the [tokens, groups * (heads / groups + 2) * head_dim] buffer of TE's interleaved GQA projection:
-    the query and key heads come out as the model's own split (``_split_fused_qkv``) rotated by its torch RoPE, with
+    the query and key heads come out as the model's own split (``split_fused_qkv``) rotated by its torch RoPE, with
     positions restarting at each sequence; the value heads are not touched."""
     head_dim = 16
     config = _config(
@@ -66,8 +67,8 @@ def test_kernel_rotates_the_grouped_projection_as_the_model_rotates_its_split(in
     out = packed_rope.rotate_query_key_(buffer, POSITIONS, cos, sin, heads, head_dim, groups)
     assert out.data_ptr() == buffer.data_ptr()
 
-    q, k, v = _split_fused_qkv(qkv, config)
-    q_out, k_out, v_out = _split_fused_qkv(out, config)
+    q, k, v = split_fused_qkv(qkv, config)
+    q_out, k_out, v_out = split_fused_qkv(out, config)
     torch.testing.assert_close(q_out, apply_rotary_pos_emb(q, rotary, "thd", cu_seqlens=CU_SEQLENS))
     torch.testing.assert_close(k_out, apply_rotary_pos_emb(k, rotary, "thd", cu_seqlens=CU_SEQLENS))
     assert torch.equal(v_out, v)
@@ -85,7 +86,7 @@ def _rotate_then_split(qkv, cos, sin, heads, head_dim, groups):
     """What the split kernel replaces, in plain torch: rotate the grouped buffer, then the model's own split."""
     config = _config(num_attention_heads=heads, num_key_value_heads=groups, hidden_size=heads * head_dim)
     rotated = packed_rope.rotate_query_key_reference(qkv, POSITIONS, cos, sin, heads, head_dim, groups)
-    return tuple(_split_fused_qkv(rotated, config))
+    return tuple(split_fused_qkv(rotated, config))
 
 
 @pytest.mark.parametrize(("heads", "groups"), [(8, 2), (6, 3), (4, 4), (5, 1)], ids=["4-per-group", "2", "mha", "mqa"])

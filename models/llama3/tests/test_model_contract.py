@@ -66,6 +66,7 @@ def llama_contract(tie: bool, shape: str, rope: str) -> ModelContract:
         modeling_files=(
             "modeling_llama_te.py",
             "configuration_llama_te.py",
+            "llama_decoding.py",
             "torch_layers.py",
             "torch_attention.py",
             "torch_norm_linear.py",

@@ -34,7 +34,7 @@ logger = logging.getLogger(__name__)
 # Files a modeling file imports from beside it; an export ships those of them that sit beside it (the torch
 # backend's three files and layer_autocast.py to all; te_attention.py to the models whose TE attention takes packed
 # QKV, activation_recompute.py and layer_stack.py to all but ViT, packed_rope.py, fused_residual_layer.py and
-# residual_norm.py to ESM-2, AMPLIFY and Llama).
+# residual_norm.py to ESM-2, AMPLIFY and Llama, llama_decoding.py to Llama, encodon_layer.py to CodonFM).
 MODELING_SUPPORT_FILES = (
     "torch_layers.py",
     "torch_attention.py",
@@ -48,6 +48,8 @@ MODELING_SUPPORT_FILES = (
     "residual_norm.py",
     "layer_autocast.py",
     "layer_stack.py",
+    "llama_decoding.py",
+    "encodon_layer.py",
 )
 
 
