@@ -232,6 +232,20 @@ def test_export_writes_a_complete_directory(contract, tmp_path):
     assert sorted(p.name for p in tmp_path.iterdir()) == ["exported", "hf"]
 
 
+def test_export_ships_every_module_its_auto_map_names(contract, tmp_path, monkeypatch):
+    """The configuration file (``AutoConfig``) is shipped beside the modeling file; an ``AUTO_MAP`` entry naming a
+    module that is not there is refused with its name (an export without it would not load), and nothing is written."""
+    _, out = export_stock_model(contract, tmp_path)
+    auto_map = json.loads((out / "config.json").read_text())["auto_map"]
+    assert {target.split(".")[0] + ".py" for target in auto_map.values()} <= {p.name for p in out.iterdir()}
+    assert auto_map["AutoConfig"].startswith("configuration_")
+    modeling = sys.modules[contract.nv_class.__module__]
+    monkeypatch.setattr(modeling, "AUTO_MAP", {**modeling.AUTO_MAP, "AutoModelForPreTraining": "not_beside_it.Model"})
+    with pytest.raises(FileNotFoundError, match=r"AUTO_MAP names modules that are not beside it: .*not_beside_it\.py"):
+        contract.export(tmp_path / "hf", tmp_path / "refused")
+    assert not (tmp_path / "refused").exists()
+
+
 def test_export_config_and_weights(contract, tmp_path):
     """config.json loads anywhere (auto_map, backend "auto", no quantized layers); the weights are stored once."""
     hf_model, out = export_stock_model(contract, tmp_path)
