@@ -12,6 +12,7 @@ import pytest
 from amplify_testing import TINY_SHAPE, make_batch, nv_to_reference, reference_model, reference_to_nv, shape_of
 from model_contract import *  # noqa: F403  (the contract's tests)
 from model_contract import ModelContract
+from model_contract_export import *  # noqa: F403  (its export part)
 from model_contract_te import *  # noqa: F403  (its TE part, on GPU machines)
 from transformers import AutoModelForMaskedLM
 

@@ -11,6 +11,7 @@ import torch
 from esm_testing import TINY_SHAPE, hf_esm2_config, make_batch, randomize_, shape_of
 from model_contract import *  # noqa: F403  (the contract's tests)
 from model_contract import ModelContract
+from model_contract_export import *  # noqa: F403  (its export part)
 from model_contract_te import *  # noqa: F403  (its TE part, on GPU machines)
 from transformers import AutoModelForMaskedLM, EsmForMaskedLM
 

@@ -12,7 +12,6 @@ import torch
 from init_statistics import assert_initialised_as_configured
 from model_contract import (
     ModelContract,
-    export_stock_model,
     is_tied,
     layout,
     supports_recompute,
@@ -20,6 +19,7 @@ from model_contract import (
     train_step_counting_layer_calls,
     transformer_layers,
 )
+from model_contract_export import export_stock_model
 from transformers import PretrainedConfig, PreTrainedModel
 
 

@@ -11,6 +11,7 @@ import pytest
 from geneformer_testing import TINY_SHAPE, VOCAB_SIZE, make_batch, shape_of, stock_model
 from model_contract import *  # noqa: F403  (the contract's tests)
 from model_contract import ModelContract
+from model_contract_export import *  # noqa: F403  (its export part)
 from model_contract_te import *  # noqa: F403  (its TE part, on GPU machines)
 from transformers import AutoModelForMaskedLM
 

@@ -12,6 +12,7 @@ import torch
 from llama_testing import LLAMA3_ROPE, TINY_GQA_SHAPE, TINY_SHAPE, hf_llama_config, make_batch, randomize_, shape_of
 from model_contract import *  # noqa: F403  (the contract's tests)
 from model_contract import ModelContract
+from model_contract_export import *  # noqa: F403  (its export part)
 from model_contract_te import *  # noqa: F403  (its TE part, on GPU machines)
 from transformers import AutoModelForCausalLM, LlamaForCausalLM
 
