@@ -13,6 +13,11 @@ LAYER_PRECISIONS = (None, "fp8", "fp4")
 QUANTIZED_TOKEN_ALIGNMENT = 16
 
 
+def as_pair(value) -> tuple[int, int]:
+    """An image or patch size given as one int or as (height, width)."""
+    return tuple(value) if isinstance(value, list | tuple) else (value, value)
+
+
 class NVViTConfig(ViTConfig):
     """``ViTConfig`` plus the backend and per-layer precision. Defaults are ViT-Base/16 at 224 pixels."""
 
@@ -57,7 +62,3 @@ class NVViTConfig(ViTConfig):
                 problems.append(f"layer_precision entries must be None, 'fp8' or 'fp4', got {bad}")
         if problems:
             raise ValueError("Invalid NVViTConfig: " + "; ".join(problems))
-
-
-def as_pair(value) -> tuple[int, int]:
-    return tuple(value) if isinstance(value, list | tuple) else (value, value)
