@@ -22,11 +22,17 @@ attention call is host-bound: where TE runs cuDNN's attention on packed (THD) 16
 checks, backend selection, layout detection): 0.4-0.7 ms less host time per layer forward on one H200, where an
 AMPLIFY 350M layer at 32k tokens keeps the GPU busy ~5 ms forward and backward. That pays where the host cannot keep
 ahead of the GPU (AMPLIFY 120M training +3-20% per run pair on H200s), not where it can (AMPLIFY 350M, ESM-2 650M:
-unchanged); docs/benchmarks.md. It lets TE decide first: the first call with a given layout, dtype, mask and head
-shape runs TE's own path, and only if TE chose cuDNN's F16_arbitrary_seqlen backend do later calls with that
-signature go direct, with the arguments TE passes (softmax scale, no dropout, ``padded`` boundaries = the
-boundaries, the window of the mask type, TE's deterministic setting). FP8, context parallelism, other formats or any
-argument beyond those above take TE's path every time.
+unchanged); docs/benchmarks.md. It lets TE decide first: the first call with a given layout, dtype, mask, head
+shape and FP8 state runs TE's own path, and only if TE chose cuDNN's F16_arbitrary_seqlen backend do later calls
+with that signature go direct, with the arguments TE passes (softmax scale, no dropout, ``padded`` boundaries = the
+boundaries, the window of the mask type, TE's deterministic setting). Under FP8 autocast attention itself stays in
+16 bits unless the recipe asks for FP8 attention (``fp8_dpa``/``fp8_mha``), so only such recipes keep TE's path.
+Context parallelism, dropout, other formats, and any argument not at the value that asks for nothing more
+(``NEUTRAL_ARGUMENTS``: what TE's ``MultiheadAttention`` passes on every call) take TE's path every time.
+
+``call_cudnn_directly(layers)`` turns the ``DotProductAttention`` inside TE's own ``TransformerLayer`` into this class
+(it adds behaviour only: no parameters, buffers or state-dict keys), for the runs that use TE's layers rather than
+the fused ones: FP8 runs, whose forward is host-bound at ESM-2 3B (docs/benchmarks.md).
 """
 
 import inspect
@@ -175,6 +181,40 @@ def _keep(accepted: set[str], **arguments):
     return {name: value for name, value in arguments.items() if name in accepted}
 
 
+def _full_window(value, mask_type: str) -> bool:
+    return value is None or tuple(value) == ((-1, 0) if "causal" in mask_type else (-1, -1))
+
+
+# Arguments TE's MultiheadAttention passes to its attention on every call (TE 2.20), each with a test that its value
+# asks for nothing the direct calls do not do: no sliding window, no softcap, no bias, no recompute inside attention,
+# no FP8 output, no KV cache, no packed input left unsplit (split_packed_qkv's hook has taken it apart).
+NEUTRAL_ARGUMENTS = {
+    "window_size": _full_window,
+    "bottom_right_diagonal": lambda value, mask_type: not value or "causal" not in mask_type,
+    "softcap": lambda value, _: not value,
+    "thd_attention_policies": lambda value, _: value is None,
+    "thd_attention_policy_dispatch": lambda value, _: value == "auto",
+    "checkpoint_core_attention": lambda value, _: value is False,
+    "core_attention_bias_type": lambda value, _: value == "no_bias",
+    "core_attention_bias": lambda value, _: value is None,
+    "alibi_slopes": lambda value, _: value is None,
+    "fast_zero_fill": lambda value, _: value is True,
+    "inference_params": lambda value, _: value is None,
+    "pad_between_seqs": lambda value, _: value is None,  # TE infers it from the padded boundaries, as passed on
+    "fp8_output": lambda value, _: not value,
+    "qkv_layer": lambda value, _: value is None,
+    "kv_layer": lambda value, _: value is None,
+    "qkv_interleave_dim": lambda value, _: True,  # only read with qkv_layer
+}
+
+
+def neutral_arguments(arguments: dict, mask_type: str) -> bool:
+    """Whether every one of ``arguments`` (beyond the packed call's) is one of TE's that asks for nothing here."""
+    return all(
+        name in NEUTRAL_ARGUMENTS and NEUTRAL_ARGUMENTS[name](value, mask_type) for name, value in arguments.items()
+    )
+
+
 # What _CuDNNAttention passes; a TE release whose functions require anything else is not called directly.
 _FWD_ARGUMENTS = {
     "is_training", "max_seqlen_q", "max_seqlen_kv", "cu_seqlens_q", "cu_seqlens_kv", "q", "k", "v", "fake_dtype",
@@ -313,7 +353,7 @@ if te is not None:
                 "attn_mask_type": attn_mask_type,
             }
             mask_type = attn_mask_type or self.attn_mask_type
-            signature = self._signature(query_layer, key_layer, value_layer, mask_type, arguments, more or others)
+            signature = self._signature(query_layer, key_layer, value_layer, mask_type, arguments, more, others)
             chosen = self._cudnn_chosen.get(signature) if signature is not None else False
             if not chosen:
                 query_layer, key_layer, value_layer = _at_buffer_start(query_layer, key_layer, value_layer)
@@ -343,11 +383,15 @@ if te is not None:
                 settings,
             )
 
-        def _signature(self, query, key, value, mask_type, arguments, others) -> tuple | None:
+        def _signature(self, query, key, value, mask_type, arguments, more, others) -> tuple | None:
             """What TE's backend choice depends on here, or None where this call must take TE's path."""
             if (
                 not _DIRECT_CALL_POSSIBLE
-                or others
+                or more
+                or not neutral_arguments(others, mask_type)
+                or self.window_size not in (None, (-1, -1), (-1, 0))  # the constructor's sliding window
+                or getattr(self, "softcap", 0.0)
+                or (self.training and self.attention_dropout > 0)
                 or arguments["attention_mask"] is not None
                 or (arguments["qkv_format"] or self.qkv_format) != "thd"
                 or arguments["cu_seqlens_q"] is None
@@ -356,7 +400,7 @@ if te is not None:
                 or any(type(t) is not torch.Tensor for t in (query, key, value))  # FP8 tensors: TE's path
                 or query.dtype not in (torch.bfloat16, torch.float16)
                 or not query.dtype == key.dtype == value.dtype
-                or FP8GlobalStateManager.is_fp8_enabled()
+                or _attention_in_fp8()
                 or getattr(self, "cp_group", None) is not None
                 or torch.compiler.is_compiling()
                 or os.getenv("NVTE_FUSED_ATTN_USE_FAv2_BWD", "0") == "1"  # noqa: SIM112 (TE's spelling)
@@ -365,7 +409,36 @@ if te is not None:
             layout = packed_layout(query, key, value)
             if layout is None:
                 return None
-            return (layout, query.dtype, mask_type, query.shape[1:], key.shape[1:], query.device)
+            fp8 = FP8GlobalStateManager.is_fp8_enabled()  # TE's choice is remembered per FP8 state
+            return (layout, query.dtype, mask_type, query.shape[1:], key.shape[1:], query.device, fp8)
+
+        @classmethod
+        def take_over(cls, attention: "te.DotProductAttention") -> None:
+            """Make TE's ``attention`` (built inside TE's ``TransformerLayer``) one of these, in place."""
+            attention.__class__ = cls
+            attention._cudnn_chosen = {}
+
+    def _attention_in_fp8() -> bool:
+        """Whether TE runs attention itself in FP8 here: under FP8 autocast with a recipe that asks for FP8 attention
+        (``fp8_dpa``/``fp8_mha``; a recipe without those settings counts as asking)."""
+        if not FP8GlobalStateManager.is_fp8_enabled():
+            return False
+        recipe = FP8GlobalStateManager.get_fp8_recipe()
+        return getattr(recipe, "fp8_dpa", True) or getattr(recipe, "fp8_mha", True)
+
+    def call_cudnn_directly(layers) -> int:
+        """Turn every ``te.DotProductAttention`` in ``layers`` (TE's ``TransformerLayer``s) into a
+        ``PackedCuDNNAttention``; returns how many. Call it after ``split_packed_qkv``, whose hooks stay attached."""
+        taken = 0
+        for layer in layers:
+            for module in layer.modules():
+                if type(module) is te.DotProductAttention:
+                    PackedCuDNNAttention.take_over(module)
+                    taken += 1
+        return taken
 
 else:
     PackedCuDNNAttention = None  # needs TE
+
+    def call_cudnn_directly(layers) -> int:
+        raise RuntimeError("call_cudnn_directly needs TransformerEngine")

@@ -44,7 +44,7 @@ try:  # package import (models/amplify, exported checkpoints)
     from .meta_init import materialize_meta_model
     from .packed_rope import PackedQKVRotary, layers_rotary_pos_emb
     from .packing import PackedBatch, pack_inputs, token_mean_loss
-    from .te_attention import split_packed_qkv
+    from .te_attention import call_cudnn_directly, split_packed_qkv
     from .torch_layers import TransformerLayer as TorchTransformerLayer
     from .torch_layers import is_torch_twin
 except ImportError:  # flat copy inside a recipe folder
@@ -56,7 +56,7 @@ except ImportError:  # flat copy inside a recipe folder
     from meta_init import materialize_meta_model
     from packed_rope import PackedQKVRotary, layers_rotary_pos_emb
     from packing import PackedBatch, pack_inputs, token_mean_loss
-    from te_attention import split_packed_qkv
+    from te_attention import call_cudnn_directly, split_packed_qkv
     from torch_layers import TransformerLayer as TorchTransformerLayer
     from torch_layers import is_torch_twin
 
@@ -233,6 +233,8 @@ class NVAmplifyModel(NVAmplifyPreTrainedModel):
             )
             if self.qkv_rotary is not None and not config.fused_residual_norm:  # q/k/v as views of the rotated buffer
                 split_packed_qkv(self.layers)
+                # cuDNN's attention without DotProductAttention's Python per call (FP8 runs are host-bound)
+                call_cudnn_directly(self.layers)
         self.layer_precision = list(config.layer_precision or [None] * config.num_hidden_layers)
         self.cp_group = None
         self.gradient_checkpointing = False  # set by Hugging Face's gradient_checkpointing_enable()

@@ -1,6 +1,7 @@
 """te_attention.PackedCuDNNAttention: its first call with a signature runs TE's ``DotProductAttention``, later
-calls run TE's cuDNN kernels directly where TE chose them, with the same bits as TE's own path; every call that
-needs TE's path (fp32, FP8, another backend, other arguments) keeps taking it.
+calls run TE's cuDNN kernels directly where TE chose them, with the same bits as TE's own path (in 16 bits and under
+FP8 autocast, where attention stays in 16 bits); every call that needs TE's path (fp32, FP8 attention, another
+backend, other arguments) keeps taking it.
 
 cuDNN's attention backward may add dQ in any order unless TE asks for its deterministic algorithm, so every module
 here is built with ``NVTE_ALLOW_NONDETERMINISTIC_ALGO=0`` (read when TE's attention is built) and compared bit for
@@ -105,8 +106,9 @@ def test_direct_calls_give_te_attention_bits(layout, dtype, direct_calls, monkey
 
 
 def test_calls_that_need_te_path_keep_taking_it(direct_calls, monkeypatch):
-    """fp32 (cuDNN has no fp32 attention: TE runs its unfused path), an argument beyond the packed call's, and a
-    signature for which TE chose another backend (here: said to have)."""
+    """fp32 (cuDNN has no fp32 attention: TE runs its unfused path), an argument that asks for more than the packed
+    call does (attention recomputed in the backward), and a signature for which TE chose another backend (here: said
+    to have)."""
     monkeypatch.setenv("NVTE_ALLOW_NONDETERMINISTIC_ALGO", "0")
     heads, groups, mask = CASES["th3d"]
     module = _attention(te_attention.PackedCuDNNAttention, heads, groups, mask)
@@ -116,7 +118,7 @@ def test_calls_that_need_te_path_keep_taking_it(direct_calls, monkeypatch):
         _assert_same_bits(_run(module, fp32_leaves, fp32_qkv, mask), expected)
     leaves, make_qkv = _inputs("th3d", heads, groups, torch.bfloat16)
     for _ in range(2):
-        _run(module, leaves, make_qkv, mask, window_size=(-1, -1))
+        _run(module, leaves, make_qkv, mask, checkpoint_core_attention=True)
     assert direct_calls == [] and module._cudnn_chosen == {}
 
     monkeypatch.setattr(te_attention, "_te_chose_cudnn", lambda: False)
@@ -127,17 +129,47 @@ def test_calls_that_need_te_path_keep_taking_it(direct_calls, monkeypatch):
 
 
 @pytest.mark.requires_fp8
-def test_fp8_autocast_takes_te_path(direct_calls, monkeypatch):
-    """Under FP8 autocast the call is TE's (which decides whether attention runs in FP8), also after the signature
-    was seen outside it."""
+def test_under_fp8_autocast_attention_in_16_bits_goes_direct(direct_calls, monkeypatch):
+    """FP8 autocast with a recipe that leaves attention in 16 bits (the default: no ``fp8_dpa``): the first call under
+    it is TE's (a signature of its own, also after the same call outside FP8), later ones direct, with TE's bits."""
+    from transformer_engine.common.recipe import DelayedScaling
+
     monkeypatch.setenv("NVTE_ALLOW_NONDETERMINISTIC_ALGO", "0")
+    heads, groups, mask = CASES["th3d"]
+    leaves, make_qkv = _inputs("th3d", heads, groups, torch.bfloat16)
+    reference = _attention(te_attention.te.DotProductAttention, heads, groups, mask)
+    with te_attention.te.fp8_autocast(enabled=True, fp8_recipe=DelayedScaling()):
+        expected = _run(reference, leaves, make_qkv, mask)
+    module = _attention(te_attention.PackedCuDNNAttention, heads, groups, mask)
+    _run(module, leaves, make_qkv, mask)
+    assert direct_calls == []
+    results = []
+    for _ in range(2):
+        with te_attention.te.fp8_autocast(enabled=True, fp8_recipe=DelayedScaling()):
+            results.append(_run(module, leaves, make_qkv, mask))
+    assert direct_calls == [1]
+    assert sorted(module._cudnn_chosen.values()) == [True, True]  # one signature outside FP8, one under it
+    for result in results:
+        _assert_same_bits(result, expected)
+
+
+@pytest.mark.requires_fp8
+def test_a_recipe_with_fp8_attention_takes_te_path():
+    """``fp8_dpa``/``fp8_mha`` put attention itself in FP8, which is TE's business (decided before any kernel runs: on
+    packed input TE 2.20 needs a newer cuDNN for it than the GPU machine has)."""
+    from transformer_engine.common.recipe import DelayedScaling
+
     heads, groups, mask = CASES["th3d"]
     module = _attention(te_attention.PackedCuDNNAttention, heads, groups, mask)
     leaves, make_qkv = _inputs("th3d", heads, groups, torch.bfloat16)
-    _run(module, leaves, make_qkv, mask)
-    with te_attention.te.fp8_autocast(enabled=True):
-        _run(module, leaves, make_qkv, mask)
-    assert direct_calls == []
+    query, key, value = make_qkv()
+    arguments = {"attention_mask": None, "qkv_format": "thd", "cu_seqlens_q": torch.zeros(2, dtype=torch.int32),
+                 "max_seqlen_q": 8}  # fmt: skip
+    for recipe, direct in [(DelayedScaling(), True), (DelayedScaling(fp8_dpa=True), False),
+                           (DelayedScaling(fp8_mha=True), False)]:  # fmt: skip
+        with te_attention.te.fp8_autocast(enabled=True, fp8_recipe=recipe):
+            signature = module._signature(query, key, value, mask, arguments, (), {})
+        assert (signature is not None) == direct, recipe
 
 
 def test_fused_amplify_learns_the_same_bits_from_its_second_step_on(direct_calls, monkeypatch):

@@ -36,7 +36,7 @@ try:  # package import (models/esm2, exported checkpoints)
     from .meta_init import materialize_meta_model
     from .packed_rope import PackedQKVRotary, layers_rotary_pos_emb
     from .packing import PackedBatch, pack_inputs, token_mean_loss
-    from .te_attention import split_packed_qkv
+    from .te_attention import call_cudnn_directly, split_packed_qkv
     from .torch_layers import TransformerLayer as TorchTransformerLayer
     from .torch_layers import is_torch_twin
 except ImportError:  # flat copy inside a recipe folder
@@ -48,7 +48,7 @@ except ImportError:  # flat copy inside a recipe folder
     from meta_init import materialize_meta_model
     from packed_rope import PackedQKVRotary, layers_rotary_pos_emb
     from packing import PackedBatch, pack_inputs, token_mean_loss
-    from te_attention import split_packed_qkv
+    from te_attention import call_cudnn_directly, split_packed_qkv
     from torch_layers import TransformerLayer as TorchTransformerLayer
     from torch_layers import is_torch_twin
 
@@ -210,6 +210,8 @@ class NVEsmEncoder(nn.Module):
                 use_gemm_epilogue_gelu(self.layers)
                 if self.qkv_rotary is not None:  # attention reads q/k/v as views of the rotated buffer
                     split_packed_qkv(self.layers)
+                    # cuDNN's attention without DotProductAttention's Python per call (FP8 runs are host-bound)
+                    call_cudnn_directly(self.layers)
         self.emb_layer_norm_after = nn.LayerNorm(config.hidden_size, eps=config.layer_norm_eps)
         self.rotary_embeddings = NVEsmRotaryEmbedding(head_dim, config.rope_theta)
 
