@@ -128,6 +128,28 @@ def test_calls_that_need_te_path_keep_taking_it(direct_calls, monkeypatch):
     assert direct_calls == [] and list(other._cudnn_chosen.values()) == [False]
 
 
+def test_taken_over_attention_hands_te_path_its_inputs_untouched(monkeypatch):
+    """TE's layers' attention after ``call_cudnn_directly``: a call the direct path does not take reaches
+    ``te.DotProductAttention.forward`` with the very tensors TE's MultiheadAttention gave it (after TE's RoPE: rotated
+    query and key, value a view into the projection), where the fused layers' attention copies views that do not
+    start their buffer (``_at_buffer_start``)."""
+    heads, groups, mask = CASES["th3d"]
+    seen = []
+    monkeypatch.setattr(
+        te_attention.te.DotProductAttention, "forward", lambda self, *args, **kwargs: seen.append(args)
+    )
+    packed = torch.randn(sum(LENGTHS), heads, 3, 64, device="cuda", dtype=torch.bfloat16)
+    query, key, value = packed[:, :, 0].clone(), packed[:, :, 1].clone(), packed[:, :, 2]
+    cu_seqlens = F.pad(torch.tensor(LENGTHS).cumsum(0), (1, 0)).to(torch.int32).cuda()
+    taken_over = te_attention.te.DotProductAttention(heads, 64, attention_dropout=0.0, qkv_format="thd")
+    te_attention.PackedCuDNNAttention.take_over(taken_over)
+    fused_layers_own = te_attention.PackedCuDNNAttention(heads, 64, attention_dropout=0.0, qkv_format="thd")
+    for module in (taken_over, fused_layers_own):
+        module(query, key, value, qkv_format="thd", cu_seqlens_q=cu_seqlens, max_seqlen_q=max(LENGTHS))
+    assert all(a is b for a, b in zip(seen[0][:3], (query, key, value)))
+    assert seen[1][0] is not query and torch.equal(seen[1][2], value)  # copied, same values
+
+
 @pytest.mark.requires_fp8
 def test_under_fp8_autocast_attention_in_16_bits_goes_direct(direct_calls, monkeypatch):
     """FP8 autocast with a recipe that leaves attention in 16 bits (the default: no ``fp8_dpa``): the first call under

@@ -323,6 +323,9 @@ if te is not None:
         def __init__(self, *args, **kwargs):
             super().__init__(*args, **kwargs)
             self._cudnn_chosen: dict[tuple, bool] = {}  # signature -> TE chose cuDNN's F16_arbitrary_seqlen kernels
+            # False: q/k/v may be views that TE's path refuses (the fused layers' split batches; _at_buffer_start).
+            # True (take_over): q/k/v come from TE's own MultiheadAttention, and TE's path takes them as they are.
+            self._inputs_from_te_layer = False
 
         def forward(  # te.DotProductAttention's parameters, in its order
             self,
@@ -356,7 +359,8 @@ if te is not None:
             signature = self._signature(query_layer, key_layer, value_layer, mask_type, arguments, more, others)
             chosen = self._cudnn_chosen.get(signature) if signature is not None else False
             if not chosen:
-                query_layer, key_layer, value_layer = _at_buffer_start(query_layer, key_layer, value_layer)
+                if not self._inputs_from_te_layer:
+                    query_layer, key_layer, value_layer = _at_buffer_start(query_layer, key_layer, value_layer)
                 out = super().forward(query_layer, key_layer, value_layer, *arguments.values(), *more, **others)
                 if chosen is None:  # the first call with this signature: remember what TE chose
                     self._cudnn_chosen[signature] = _te_chose_cudnn()
@@ -386,7 +390,8 @@ if te is not None:
         def _signature(self, query, key, value, mask_type, arguments, more, others) -> tuple | None:
             """What TE's backend choice depends on here, or None where this call must take TE's path."""
             if (
-                not _DIRECT_CALL_POSSIBLE
+                torch.compiler.is_compiling()  # first: nothing else is traced under torch.compile
+                or not _DIRECT_CALL_POSSIBLE
                 or more
                 or not neutral_arguments(others, mask_type)
                 or self.window_size not in (None, (-1, -1), (-1, 0))  # the constructor's sliding window
@@ -402,7 +407,6 @@ if te is not None:
                 or not query.dtype == key.dtype == value.dtype
                 or _attention_in_fp8()
                 or getattr(self, "cp_group", None) is not None
-                or torch.compiler.is_compiling()
                 or os.getenv("NVTE_FUSED_ATTN_USE_FAv2_BWD", "0") == "1"  # noqa: SIM112 (TE's spelling)
             ):
                 return None
@@ -414,9 +418,11 @@ if te is not None:
 
         @classmethod
         def take_over(cls, attention: "te.DotProductAttention") -> None:
-            """Make TE's ``attention`` (built inside TE's ``TransformerLayer``) one of these, in place."""
+            """Make TE's ``attention`` (built inside TE's ``TransformerLayer``) one of these, in place. Every call the
+            direct path does not take reaches ``te.DotProductAttention.forward`` with its arguments untouched."""
             attention.__class__ = cls
             attention._cudnn_chosen = {}
+            attention._inputs_from_te_layer = True
 
     def _attention_in_fp8() -> bool:
         """Whether TE runs attention itself in FP8 here: under FP8 autocast with a recipe that asks for FP8 attention
