@@ -27,6 +27,23 @@ from collections.abc import Callable, Sequence
 from contextlib import AbstractContextManager
 
 
+LAYER_PRECISIONS = (None, "fp8", "fp4")
+
+
+def validate_layer_precision(layer_precision: Sequence | None, num_hidden_layers: int) -> list[str]:
+    """What is wrong with a config's ``layer_precision`` (None, or one of ``LAYER_PRECISIONS`` per layer), as
+    messages for the config's ``ValueError``; empty when nothing is."""
+    if layer_precision is None:
+        return []
+    problems = []
+    if len(layer_precision) != num_hidden_layers:
+        problems.append(f"layer_precision has {len(layer_precision)} entries for {num_hidden_layers} layers")
+    bad = sorted({str(p) for p in layer_precision if p not in LAYER_PRECISIONS})
+    if bad:
+        problems.append(f"layer_precision entries must be None, 'fp8' or 'fp4', got {bad}")
+    return problems
+
+
 class LayerAutocast:
     """Switch TE autocast regions as a layer loop moves from one precision to the next (see the module docstring).
 

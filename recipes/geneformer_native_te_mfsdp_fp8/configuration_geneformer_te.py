@@ -11,12 +11,13 @@ from transformers import BertConfig
 
 try:  # package import (models/geneformer, exported checkpoints)
     from .activation_recompute import validate_recompute_layers
+    from .layer_autocast import validate_layer_precision
 except ImportError:  # flat copy inside a recipe folder
     from activation_recompute import validate_recompute_layers
+    from layer_autocast import validate_layer_precision
 
 
 BACKENDS = ("auto", "te", "torch")
-LAYER_PRECISIONS = (None, "fp8", "fp4")
 ACTIVATIONS = ("relu", "gelu")  # TE's names; TE's "gelu" is the tanh approximation, the torch backend's the exact one
 
 
@@ -75,14 +76,7 @@ class NVGeneformerConfig(BertConfig):
             problems.append(f"padded_vocab_size ({self.padded_vocab_size}) < vocab_size ({self.vocab_size})")
         if self.max_position_embeddings <= 0 or self.type_vocab_size <= 0:
             problems.append("max_position_embeddings and type_vocab_size must be positive")
-        if self.layer_precision is not None:
-            if len(self.layer_precision) != self.num_hidden_layers:
-                problems.append(
-                    f"layer_precision has {len(self.layer_precision)} entries for {self.num_hidden_layers} layers"
-                )
-            bad = sorted({str(p) for p in self.layer_precision if p not in LAYER_PRECISIONS})
-            if bad:
-                problems.append(f"layer_precision entries must be None, 'fp8' or 'fp4', got {bad}")
+        problems += validate_layer_precision(self.layer_precision, self.num_hidden_layers)
         problems += validate_recompute_layers(self.recompute_layers, self.num_hidden_layers)
         if problems:
             raise ValueError("Invalid NVGeneformerConfig: " + "; ".join(problems))

@@ -11,12 +11,13 @@ from transformers import LlamaConfig
 
 try:  # package import (models/llama3, exported checkpoints)
     from .activation_recompute import validate_recompute_layers
+    from .layer_autocast import validate_layer_precision
 except ImportError:  # flat copy inside a recipe folder
     from activation_recompute import validate_recompute_layers
+    from layer_autocast import validate_layer_precision
 
 
 BACKENDS = ("auto", "te", "torch")
-LAYER_PRECISIONS = (None, "fp8", "fp4")
 ROPE_TYPES = ("default", "llama3")
 _LLAMA3_ROPE_KEYS = ("factor", "low_freq_factor", "high_freq_factor", "original_max_position_embeddings")
 
@@ -94,14 +95,7 @@ class NVLlamaConfig(LlamaConfig):
             problems.append("partial_rotary_factor != 1 is not supported")
         if self.embedding_init_std is not None and not self.embedding_init_std > 0:
             problems.append(f"embedding_init_std must be positive or None, got {self.embedding_init_std!r}")
-        if self.layer_precision is not None:
-            if len(self.layer_precision) != self.num_hidden_layers:
-                problems.append(
-                    f"layer_precision has {len(self.layer_precision)} entries for {self.num_hidden_layers} layers"
-                )
-            bad = sorted({str(p) for p in self.layer_precision if p not in LAYER_PRECISIONS})
-            if bad:
-                problems.append(f"layer_precision entries must be None, 'fp8' or 'fp4', got {bad}")
+        problems += validate_layer_precision(self.layer_precision, self.num_hidden_layers)
         if self.fused_residual_norm and any(p is not None for p in self.layer_precision or []):
             problems.append("fused_residual_norm layers compute in bf16/fp32 only: layer_precision must be all None")
         problems += validate_recompute_layers(self.recompute_layers, self.num_hidden_layers)

@@ -7,8 +7,13 @@ here)."""
 from transformers import ViTConfig
 
 
+try:  # package import (models/vit, exported checkpoints)
+    from .layer_autocast import validate_layer_precision
+except ImportError:  # flat copy inside a recipe folder
+    from layer_autocast import validate_layer_precision
+
+
 BACKENDS = ("auto", "te", "torch")
-LAYER_PRECISIONS = (None, "fp8", "fp4")
 # FP8/FP4 GEMMs need the token count (the rows of every GEMM) to be a multiple of 16.
 QUANTIZED_TOKEN_ALIGNMENT = 16
 
@@ -52,13 +57,6 @@ class NVViTConfig(ViTConfig):
             if side % self.patch_size:
                 problems.append(f"image_size ({self.image_size}) must be a multiple of patch_size ({self.patch_size})")
                 break
-        if self.layer_precision is not None:
-            if len(self.layer_precision) != self.num_hidden_layers:
-                problems.append(
-                    f"layer_precision has {len(self.layer_precision)} entries for {self.num_hidden_layers} layers"
-                )
-            bad = sorted({str(p) for p in self.layer_precision if p not in LAYER_PRECISIONS})
-            if bad:
-                problems.append(f"layer_precision entries must be None, 'fp8' or 'fp4', got {bad}")
+        problems += validate_layer_precision(self.layer_precision, self.num_hidden_layers)
         if problems:
             raise ValueError("Invalid NVViTConfig: " + "; ".join(problems))

@@ -10,12 +10,13 @@ from transformers import PreTrainedConfig
 
 try:  # package import (models/codonfm, exported checkpoints)
     from .activation_recompute import validate_recompute_layers
+    from .layer_autocast import validate_layer_precision
 except ImportError:  # flat copy inside a recipe folder
     from activation_recompute import validate_recompute_layers
+    from layer_autocast import validate_layer_precision
 
 
 BACKENDS = ("auto", "te", "torch")
-LAYER_PRECISIONS = (None, "fp8", "fp4")
 ACTIVATIONS = ("gelu", "relu", "silu")  # one Python function per name, the same on both backends
 INIT_SCHEMES = ("magneto",)
 
@@ -112,14 +113,7 @@ class NVEncodonConfig(PreTrainedConfig):
                 problems.append(f"padded_vocab_size ({self.padded_vocab_size}) < vocab_size ({self.vocab_size})")
             if self.pad_token_id is None or not 0 <= self.pad_token_id < self.vocab_size:
                 problems.append(f"pad_token_id must be a token id below vocab_size, got {self.pad_token_id!r}")
-        if self.layer_precision is not None:
-            if len(self.layer_precision) != self.num_hidden_layers:
-                problems.append(
-                    f"layer_precision has {len(self.layer_precision)} entries for {self.num_hidden_layers} layers"
-                )
-            bad = sorted({str(p) for p in self.layer_precision if p not in LAYER_PRECISIONS})
-            if bad:
-                problems.append(f"layer_precision entries must be None, 'fp8' or 'fp4', got {bad}")
+        problems += validate_layer_precision(self.layer_precision, self.num_hidden_layers)
         problems += validate_recompute_layers(self.recompute_layers, self.num_hidden_layers)
         if problems:
             raise ValueError("Invalid NVEncodonConfig: " + "; ".join(problems))

@@ -10,12 +10,13 @@ from transformers import EsmConfig
 
 try:  # package import (models/esm2, exported checkpoints)
     from .activation_recompute import validate_recompute_layers
+    from .layer_autocast import validate_layer_precision
 except ImportError:  # flat copy inside a recipe folder
     from activation_recompute import validate_recompute_layers
+    from layer_autocast import validate_layer_precision
 
 
 BACKENDS = ("auto", "te", "torch")
-LAYER_PRECISIONS = (None, "fp8", "fp4")
 
 
 class NVEsmConfig(EsmConfig):
@@ -84,14 +85,7 @@ class NVEsmConfig(EsmConfig):
             problems.append(f"padded_vocab_size ({self.padded_vocab_size}) < vocab_size ({self.vocab_size})")
         if self.token_dropout and self.mask_token_id is None:
             problems.append("token_dropout needs mask_token_id")
-        if self.layer_precision is not None:
-            if len(self.layer_precision) != self.num_hidden_layers:
-                problems.append(
-                    f"layer_precision has {len(self.layer_precision)} entries for {self.num_hidden_layers} layers"
-                )
-            bad = sorted({str(p) for p in self.layer_precision if p not in LAYER_PRECISIONS})
-            if bad:
-                problems.append(f"layer_precision entries must be None, 'fp8' or 'fp4', got {bad}")
+        problems += validate_layer_precision(self.layer_precision, self.num_hidden_layers)
         problems += validate_recompute_layers(self.recompute_layers, self.num_hidden_layers)
         if self.fused_residual_norm:
             if any(p is not None for p in self.layer_precision or []):
