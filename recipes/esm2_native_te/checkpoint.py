@@ -327,22 +327,72 @@ class Checkpointer:
         return step
 
     def _load_rank_state(self, path: Path, dataloader: Any) -> None:
-        rank_file = path / f"rank{_rank()}_state.pt"
-        # numpy's RNG state is not loadable with weights_only=True; the file is one this recipe wrote itself.
-        rank_state = torch.load(rank_file, map_location="cpu", weights_only=False) if rank_file.is_file() else None
-        if rank_state is None or rank_state["world_size"] != _world_size():
-            saved = rank_state["world_size"] if rank_state else "unknown"
-            logger.warning(
-                "Checkpoint %s was written by %s ranks, this run has %d: model and optimizer are restored, but the "
-                "data order and RNG streams start afresh",
-                path,
-                saved,
-                _world_size(),
-            )
-            return
-        if dataloader is not None and rank_state["dataloader"] is not None:
-            dataloader.load_state_dict(rank_state["dataloader"])
-        _set_rng_state(rank_state["rng"])
+        rank_state = _read_rank_state(path, _rank())
+        sampler = _continuable_sampler(dataloader)
+        if rank_state is not None and rank_state["world_size"] == _world_size():
+            loader_state = rank_state["dataloader"]
+            sampler_state = _batch_sampler_state(loader_state)
+            # (The same number of ranks may still be another split into data-parallel ranks, e.g. another cp_size.)
+            if sampler is None or sampler_state is None or sampler.reads_like(sampler_state):
+                if dataloader is not None and loader_state is not None:
+                    dataloader.load_state_dict(loader_state)
+                _set_rng_state(rank_state["rng"])
+                return
+        saved_world = rank_state["world_size"] if rank_state else _saved_world_size(path)
+        data = "the data order starts afresh"
+        if sampler is not None and saved_world:
+            try:
+                data = sampler.continue_from(_saved_sampler_states(path, saved_world))
+            except (ValueError, FileNotFoundError) as err:
+                data = f"the data order starts afresh ({err})"
+        logger.warning(
+            "Checkpoint %s was written by %s ranks, this run has %d: model, optimizer, schedule and step are "
+            "restored; %s; RNG streams start afresh",
+            path,
+            saved_world or "an unknown number of",
+            _world_size(),
+            data,
+        )
+
+
+def _read_rank_state(path: Path, rank: int) -> dict | None:
+    rank_file = path / f"rank{rank}_state.pt"
+    # numpy's RNG state is not loadable with weights_only=True; the file is one this recipe wrote itself.
+    return torch.load(rank_file, map_location="cpu", weights_only=False) if rank_file.is_file() else None
+
+
+def _saved_world_size(path: Path) -> int | None:
+    """The number of ranks that wrote ``path``, read from rank 0's file (None if it has none)."""
+    state = _read_rank_state(path, 0)
+    return state["world_size"] if state else None
+
+
+def _continuable_sampler(dataloader: Any) -> Any:
+    """The loader's batch sampler if it can continue another world's positions (``EpochBatchSampler``), else None."""
+    sampler = getattr(dataloader, "batch_sampler", None)
+    return sampler if hasattr(sampler, "continue_from") and hasattr(sampler, "reads_like") else None
+
+
+def _batch_sampler_state(loader_state: dict | None) -> dict | None:
+    """The batch sampler's state inside a ``StatefulDataLoader`` state (with or without worker processes)."""
+    if not loader_state:
+        return None
+    main = loader_state.get("_snapshot", {}).get("_main_snapshot", loader_state)
+    return main.get("_index_sampler_state")
+
+
+def _saved_sampler_states(path: Path, saved_world: int) -> list[dict]:
+    """Every saved rank's batch-sampler state (each rank of the new world reads them all: they are small)."""
+    states = []
+    for rank in range(saved_world):
+        state = _read_rank_state(path, rank)
+        if state is None:
+            raise FileNotFoundError(f"{path} lacks rank{rank}_state.pt")
+        sampler_state = _batch_sampler_state(state["dataloader"])
+        if sampler_state is None:
+            raise ValueError(f"rank {rank} saved no batch-sampler position")
+        states.append(sampler_state)
+    return states
 
 
 def _check_strategy(path: Path, strategy: Strategy) -> None:

@@ -1,24 +1,30 @@
 # Copied from common/epoch_batch_sampler.py — edit the source, then run ci/check_copies.py --fix
 """Endless, resumable batches of ``(epoch, row)`` for one data-parallel rank: the order in which every map-style
-dataset of the recipes is read (protein sequences, Geneformer cells).
+dataset of the recipes is read (protein sequences, Geneformer cells, codon sequences, images).
 
 ``EpochBatchSampler`` is a batch sampler for ``torchdata.stateful_dataloader.StatefulDataLoader``; its
 ``state_dict()`` is the position at a batch boundary, so a resumed loader yields the same batches as an uninterrupted
-one.
+one. A run resumed on another number of data-parallel ranks continues the epoch instead of starting it again
+(``continue_from``): the rows that the earlier ranks had not read yet are dealt out to the new ranks.
 """
 
 import numpy as np
-from torch.utils.data.distributed import DistributedSampler
+import torch
 from user_errors import ConfigError
 
 
 class EpochBatchSampler:
     """Endless, resumable batches of ``(epoch, row)`` for one DP rank.
 
-    Each epoch orders the usable ``rows`` with a ``DistributedSampler`` (set_epoch on rollover) and cuts that order
-    into batches: ``micro_batch_size`` rows (BSHD) or greedily as many rows as fit ``token_budget`` by ``lengths``
-    (THD). Batches never span epochs. The state is ``(epoch, rows consumed this epoch)``, always at a batch
-    boundary, so a resumed sampler yields the same batches as an uninterrupted one.
+    Each epoch orders the usable ``rows`` as ``torch.utils.data.DistributedSampler(drop_last=True)`` does (one
+    permutation seeded with ``seed + epoch``, the same on every rank; rank r of n takes every n-th position from r)
+    and cuts that order into batches: ``micro_batch_size`` rows (BSHD) or greedily as many rows as fit
+    ``token_budget`` by ``lengths`` (THD). Batches never span epochs. The state is ``(epoch, rows consumed this
+    epoch)``, always at a batch boundary, so a resumed sampler yields the same batches as an uninterrupted one.
+
+    After ``continue_from`` (a resume on another number of ranks) the state also holds the earlier worlds' positions
+    (``history``): in the epochs they had started, the permutation first loses the rows they had read, and what is
+    left is dealt out to this world's ranks the same way.
     """
 
     def __init__(self, rows, lengths=None, shuffle=True, *, dp_rank, dp_world_size, seed, micro_batch_size=None,
@@ -33,16 +39,97 @@ class EpochBatchSampler:
         self.rows = np.asarray(rows, dtype=np.int64)
         self.lengths = None if lengths is None else np.asarray(lengths, dtype=np.int64)
         self.micro_batch_size, self.token_budget = micro_batch_size, token_budget
-        self.sampler = DistributedSampler(
-            self.rows, num_replicas=dp_world_size, rank=dp_rank, shuffle=shuffle, seed=seed, drop_last=True
-        )
+        self.shuffle, self.seed = shuffle, seed
+        self.dp_rank, self.dp_world_size = dp_rank, dp_world_size
         self.epoch, self.consumed = 0, 0
+        # Earlier worlds of this run, oldest first: {"dp_world_size": W, "positions": [[epoch, consumed] per DP rank]}.
+        self.history: list[dict] = []
 
     def state_dict(self) -> dict:
-        return {"epoch": self.epoch, "consumed": self.consumed}
+        return {
+            "epoch": self.epoch,
+            "consumed": self.consumed,
+            "dp_rank": self.dp_rank,
+            "dp_world_size": self.dp_world_size,
+            "num_rows": len(self.rows),
+            "history": [
+                {"dp_world_size": w["dp_world_size"], "positions": list(w["positions"])} for w in self.history
+            ],
+        }
 
     def load_state_dict(self, state: dict) -> None:
         self.epoch, self.consumed = int(state["epoch"]), int(state["consumed"])
+        self.history = list(state.get("history", []))
+
+    def reads_like(self, state: dict) -> bool:
+        """Whether ``state`` was saved by the sampler of this DP rank in a world of this size (older states, which do
+        not say, are taken to be)."""
+        same_world = state.get("dp_world_size", self.dp_world_size) == self.dp_world_size
+        return same_world and state.get("dp_rank", self.dp_rank) == self.dp_rank
+
+    def continue_from(self, states: list[dict]) -> str:
+        """Continue where the ranks of an earlier world (``states``: every one of their sampler states, in any order;
+        the CP ranks of one DP group hold equal ones) stopped, on this world's ranks; returns what it did, for the log.
+
+        Raises ``ValueError`` when ``states`` cannot describe that world (an older format, ranks missing or
+        disagreeing, another dataset or seed): the caller then starts the data afresh.
+        """
+        if any("dp_world_size" not in s or "dp_rank" not in s for s in states):
+            raise ValueError("the checkpoint's data positions predate resuming on another number of ranks")
+        old_world = {int(s["dp_world_size"]) for s in states}
+        if len(old_world) != 1:
+            raise ValueError(f"its ranks disagree on the number of data-parallel ranks ({sorted(old_world)})")
+        (old_world,) = old_world
+        positions: dict[int, tuple[int, int]] = {}
+        for s in states:
+            position = (int(s["epoch"]), int(s["consumed"]))
+            if positions.setdefault(int(s["dp_rank"]), position) != position:
+                raise ValueError(f"the ranks of data-parallel rank {s['dp_rank']} stopped at different positions")
+        if sorted(positions) != list(range(old_world)):
+            raise ValueError(f"it holds the data positions of DP ranks {sorted(positions)} of {old_world}")
+        if any(int(s.get("num_rows", -1)) != len(self.rows) for s in states):
+            raise ValueError(f"it was reading another dataset (this one has {len(self.rows)} usable rows)")
+        histories = [s["history"] for s in states]
+        if any(h != histories[0] for h in histories):
+            raise ValueError("its ranks disagree on the earlier worlds of the run")
+        stopped_at = [list(positions[rank]) for rank in range(old_world)]
+        self.history = [*histories[0], {"dp_world_size": old_world, "positions": stopped_at}]
+        self.epoch, self.consumed = min(epoch for epoch, _ in positions.values()), 0
+        unread = len(self._unread(self.epoch))
+        return (
+            f"data: {old_world} DP ranks had read {len(self.rows) - unread} of epoch {self.epoch}'s {len(self.rows)} "
+            f"rows; the other {unread} are dealt out to {self.dp_world_size} DP rank(s)"
+        )
+
+    # ----------------------------------------------------------------------------------------------------------------
+
+    def _permutation(self, epoch: int) -> np.ndarray:
+        """Positions into ``rows`` in the order of ``epoch``: DistributedSampler's permutation (same seed, same draw)."""
+        if not self.shuffle:
+            return np.arange(len(self.rows))
+        generator = torch.Generator()
+        generator.manual_seed(self.seed + epoch)
+        return torch.randperm(len(self.rows), generator=generator).numpy()
+
+    @staticmethod
+    def _share(order: np.ndarray, dp_rank: int, dp_world_size: int) -> np.ndarray:
+        """Rank ``dp_rank``'s every-n-th share of ``order``, the same length on every rank (drop_last)."""
+        per_rank = len(order) // dp_world_size
+        return order[dp_rank : per_rank * dp_world_size : dp_world_size]
+
+    def _unread(self, epoch: int) -> np.ndarray:
+        """``epoch``'s permutation without the rows the earlier worlds read in it, in permutation order."""
+        order = self._permutation(epoch)
+        for world in self.history:
+            read = [
+                share if at_epoch > epoch else share[:consumed]
+                for rank, (at_epoch, consumed) in enumerate(world["positions"])
+                if at_epoch >= epoch
+                for share in [self._share(order, rank, world["dp_world_size"])]
+            ]
+            if read:
+                order = order[~np.isin(order, np.concatenate(read))]
+        return order
 
     def _batch_end(self, order: np.ndarray, start: int) -> int:
         if self.token_budget is None:
@@ -59,8 +146,7 @@ class EpochBatchSampler:
 
     def __iter__(self):
         while True:
-            self.sampler.set_epoch(self.epoch)
-            order = self.rows[list(self.sampler)]
+            order = self.rows[self._share(self._unread(self.epoch), self.dp_rank, self.dp_world_size)]
             while self.consumed < len(order):
                 start, self.consumed = self.consumed, self._batch_end(order, self.consumed)
                 yield [(self.epoch, int(row)) for row in order[start : self.consumed]]

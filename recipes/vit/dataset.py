@@ -230,7 +230,7 @@ def create_dataloaders(data_cfg, image_size: int, dp_rank: int, dp_world_size: i
         shard = list(range(dp_rank, len(val_set), dp_world_size))  # every image on exactly one rank, in order
         val_loader = DataLoader(val_set, batch_size=cfg["val_micro_batch_size"], sampler=shard, **loading)
     logger.info(
-        f"rank {dp_rank}/{dp_world_size}: {len(sampler.sampler)} training images per epoch in batches of "
+        f"rank {dp_rank}/{dp_world_size}: {len(train_set) // dp_world_size} training images per epoch in batches of "
         f"{cfg['micro_batch_size']}, {len(val_loader.sampler) if val_loader else 0} validation images; "
         f"{workers} worker(s) per loader, augmentation {'on' if cfg['train_augment'] else 'off'}"
     )

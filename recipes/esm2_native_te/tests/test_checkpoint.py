@@ -107,3 +107,33 @@ def test_save_then_resume_continues_identically(tmp_path, strategy, mode, nproc)
     assert result["resumed_losses"] == result["losses"][3:]  # bit-identical: data order, RNG, optimizer all restored
     for name, expected in result["expected_params"].items():
         torch.testing.assert_close(result["resumed_params"][name], expected, rtol=0, atol=0)
+
+
+@pytest.mark.parametrize(("strategy", "old_world", "new_world"), [("fsdp2", 2, 1), ("fsdp2", 1, 2), ("ddp", 2, 1)])
+def test_resume_on_another_number_of_ranks_restores_the_state_and_finishes_the_epoch(
+    tmp_path, strategy, old_world, new_world
+):
+    """Model and optimizer come back whole (DCP re-shards FSDP2's), and the new ranks read exactly the rows of the
+    epoch that the old ones had not (the data is a ``StatefulDataLoader`` with a worker over ``EpochBatchSampler``)."""
+    ckpt_dir, saved_file, resumed_file = tmp_path / "ckpt", tmp_path / "saved.pt", tmp_path / "resumed.pt"
+    run_script("tests/elastic_worker.py", strategy, "save", str(ckpt_dir), str(saved_file), nproc=old_world)
+    result = run_script(
+        "tests/elastic_worker.py", strategy, "resume", str(ckpt_dir), str(resumed_file), nproc=new_world
+    )
+    saved, resumed = torch.load(saved_file, weights_only=False), torch.load(resumed_file, weights_only=False)
+
+    assert resumed["step"] == saved["step"] == 3
+    for name, value in saved["state"]["model"].items():
+        torch.testing.assert_close(resumed["state"]["model"][name], value, rtol=0, atol=0, msg=name)
+    for name, moments in saved["state"]["optimizer"].items():
+        for key, value in moments.items():
+            torch.testing.assert_close(resumed["state"]["optimizer"][name][key], value, rtol=0, atol=0, msg=name)
+
+    read_before = [row for rows in saved["rows"] for row in rows]
+    read_after = [row for rows in resumed["rows"] for row in rows]
+    assert len(read_before) == old_world * 3 * 2  # 3 steps of 2 rows on every old rank
+    assert not set(read_before) & set(read_after) and len(set(read_after)) == len(read_after)
+    unread = 61 - len(read_before)
+    assert len(read_after) == unread - unread % new_world  # all the rest, but for drop_last's remainder
+    assert f"written by {old_world} ranks, this run has {new_world}" in result.stderr
+    assert f"{old_world} DP ranks had read {len(read_before)} of epoch 0's 61 rows" in result.stderr

@@ -179,6 +179,22 @@ def test_stop_and_go_matches_uninterrupted_run(tmp_path, script, extra):
         torch.testing.assert_close(resumed_state[name], value, rtol=0, atol=0, msg=name)
 
 
+def test_resume_on_one_rank_continues_a_two_rank_run(tmp_path):
+    """FSDP2 with packed sequences: 40 steps on 2 processes, then the same command on 1 process resumes them (DCP
+    re-shards model and optimizer), finishes the epoch's unread sequences and converges; the export holds the final
+    checkpoint's weights. (That the rows continue exactly is tests/test_checkpoint.py's and the sampler's tests'.)"""
+    common = [*CONVERGE, "logger.log_every=1", "dataset.input_format=thd", "dataset.num_workers=0"]
+    train("train_fsdp2.py", tmp_path, *common, "num_train_steps=40", nproc=2)
+    result = run_script("train_fsdp2.py", f"output_dir={tmp_path}", TINY_MODEL, *FAST, *common, nproc=1)
+    log = result.stdout + result.stderr
+    assert "was written by 2 ranks, this run has 1" in log
+    assert "2 DP ranks had read" in log and "dealt out to 1 DP rank(s)" in log
+    metrics = read_metrics(tmp_path)
+    assert [m["step"] for m in metrics] == list(range(1, 81))
+    assert_converged(metrics, steps=80)
+    assert_export_reproduces_checkpoint(tmp_path, step=80)
+
+
 def test_micro_batches_of_b_hold_the_samples_and_masks_of_one_batch_of_2b():
     """The premise of the next test: the sampler cuts one order into batches, and masking depends only on (seed,
     epoch, sample index), so two micro-batches of 2 are one batch of 4 split in two; and they score different numbers

@@ -152,6 +152,28 @@ def test_stop_and_go_matches_uninterrupted_run(tmp_path, script, extra):
         torch.testing.assert_close(resumed_state[name], value, rtol=0, atol=0, msg=name)
 
 
+def test_resume_on_one_rank_continues_a_two_rank_run(tmp_path):
+    """DDP with packed cells: 20 steps on 2 processes, then the same command on 1 process resumes them, reads the
+    epoch's cells that neither rank had read (the log says how many), trains to 40 and exports the final checkpoint's
+    weights. (Row by row: tests/test_epoch_batch_sampler.py.)"""
+    common = [
+        *CONVERGE,
+        "num_train_steps=40",
+        "logger.log_every=1",
+        "dataset.input_format=thd",
+        "dataset.num_workers=0",
+    ]
+    train("train_ddp.py", tmp_path, *common, "num_train_steps=20", nproc=2)
+    result = run_script("train_ddp.py", f"output_dir={tmp_path}", *FAST, *common, nproc=1)
+    log = result.stdout + result.stderr
+    assert "was written by 2 ranks, this run has 1" in log
+    assert "2 DP ranks had read" in log and "dealt out to 1 DP rank(s)" in log
+    metrics = read_metrics(tmp_path)
+    assert [m["step"] for m in metrics] == list(range(1, 41))
+    assert metrics[-1]["loss"] < metrics[0]["loss"] - 1.0
+    assert_export_reproduces_checkpoint(tmp_path, step=40)
+
+
 @pytest.mark.parametrize("script", ["train_ddp.py", "train_fsdp2.py"])
 def test_activation_recompute_trains_exactly_like_keeping_activations(tmp_path, script):
     """``model_config_overrides.recompute_layers`` on two ranks (dropout on: the recompute draws the same masks):

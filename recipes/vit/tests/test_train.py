@@ -133,6 +133,19 @@ def test_stop_and_go_equals_one_run(tmp_path, images, script, nproc, extra):
         assert torch.equal(value, two[key]), key
 
 
+def test_resume_on_one_process_continues_a_two_process_run(tmp_path, images):
+    """FSDP2: 20 steps on 2 processes, then the same command on 1 process: DCP re-shards weights and AdamW state,
+    the epoch goes on with the images neither rank had read (the log says how many), and the run trains to 40 and
+    exports the final checkpoint. (Row by row: tests/test_epoch_batch_sampler.py.)"""
+    train("train_fsdp2.py", tmp_path, images, *SHORT, "num_train_steps=20", nproc=2)
+    result = train("train_fsdp2.py", tmp_path, images, *SHORT, nproc=1)
+    log = result.stdout + result.stderr
+    assert "was written by 2 ranks, this run has 1" in log
+    assert "2 DP ranks had read" in log and "dealt out to 1 DP rank(s)" in log
+    assert [m["step"] for m in read_jsonl(tmp_path / "metrics.jsonl")] == [10, 20, 30, 40]
+    assert_export_holds_the_checkpoint(tmp_path, step=40)
+
+
 TIMING_KEYS = ("step_time_s", "tokens_per_second_per_gpu", "mfu", "peak_memory_gb")
 
 
