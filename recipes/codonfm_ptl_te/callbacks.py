@@ -128,15 +128,27 @@ class PerRankDataPosition(L.Callback):
         if state is None or (saved is None and trainer.world_size == 1):
             return
         if saved is None or len(saved) != trainer.world_size:
+            saved = saved or [state.get("combined_loader")]  # a one-rank run's own position
             logger.warning(
-                "The checkpoint was written by %s rank(s), this run has %d: weights, optimizer and schedule resume, "
-                "the data order starts afresh",
-                len(saved) if saved else 1,
+                "The checkpoint was written by %d rank(s), this run has %d: weights, optimizer and schedule resume, "
+                "the data continues the epoch where it can (see the next line) and the random streams start afresh",
+                len(saved),
                 trainer.world_size,
             )
             state.pop("combined_loader", None)
+            datamodule = getattr(trainer, "datamodule", None)
+            if datamodule is not None and hasattr(datamodule, "continue_data_from"):
+                datamodule.continue_data_from = [_sampler_state(loaders) for loaders in saved]
             return
         state["combined_loader"] = saved[trainer.global_rank]
+
+
+def _sampler_state(loader_states) -> dict:
+    """The training loader's batch-sampler position in one rank's saved ``combined_loader`` (a list, one state per
+    loader, each a ``StatefulDataLoader`` state with or without worker processes); {} when there is none."""
+    loader_state = (loader_states or [None])[0] or {}
+    main = loader_state.get("_snapshot", {}).get("_main_snapshot", loader_state)
+    return main.get("_index_sampler_state") or {}
 
 
 class ExportCallback(L.Callback):

@@ -238,6 +238,9 @@ class CodonDataModule(lightning.LightningDataModule):
         self.val_data: CodonSequences | None = None
         self.predict_data: CodonSequences | None = None
         self.num_classes = self.cfg["num_classes"]
+        # Set by callbacks.PerRankDataPosition when a checkpoint of another number of ranks is resumed: the saved
+        # ranks' sampler positions, which the next training loader's sampler continues (EpochBatchSampler.continue_from).
+        self.continue_data_from: list[dict] | None = None
 
     # -- ranks
 
@@ -341,6 +344,12 @@ class CodonDataModule(lightning.LightningDataModule):
             self.train_rows, data.lengths, shuffle=True, dp_rank=rank, dp_world_size=world, seed=self.cfg["seed"],
             **self._batching(),
         )  # fmt: skip
+        if self.continue_data_from is not None:
+            states, self.continue_data_from = self.continue_data_from, None
+            try:
+                logger.warning("Resuming on another number of ranks: %s", sampler.continue_from(states))
+            except ValueError as err:
+                logger.warning("Resuming on another number of ranks: the data order starts afresh (%s)", err)
         return self._loader(CodonSamples(data), sampler, self._collator())
 
     def val_batches(self) -> list[list[tuple[int, int]]]:

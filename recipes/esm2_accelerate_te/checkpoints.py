@@ -11,7 +11,8 @@ save the position of this recipe's dataloader. So, after the Trainer's save (``D
    ``save_total_limit`` is not used, because it deletes before the new checkpoint is complete).
 
 A resumed run starts from the newest directory with the marker, and its dataloader continues at the batch after the
-last one that checkpoint trained on.
+last one that checkpoint trained on; on another number of processes, map-style data continues the epoch
+(``restore_data_position``).
 """
 
 import logging
@@ -85,15 +86,47 @@ def save_data_position(checkpoint: Path, rank: int, state: dict) -> None:
     os.replace(partial, path)
 
 
-def load_data_position(checkpoint: Path, rank: int, world_size: int) -> dict:
-    path = data_position_file(checkpoint, rank)
-    if not path.is_file():
-        saved = len(list((checkpoint / DATA_POSITION_DIR).glob("rank*.pt")))
+def restore_data_position(checkpoint: Path, dataloader, rank: int, world_size: int) -> None:
+    """Put ``dataloader`` where this process's loader was when ``checkpoint`` was saved.
+
+    On another number of processes, a loader over map-style data (``EpochBatchSampler``) continues the epoch from
+    every saved process's position (``EpochBatchSampler.continue_from``: the rows no process had read are dealt out
+    to the new ones); a streaming loader cannot, and the run is refused.
+    """
+    saved = sorted((checkpoint / DATA_POSITION_DIR).glob("rank*.pt"))
+    if len(saved) == world_size:
+        state = torch.load(data_position_file(checkpoint, rank), weights_only=False)
+        sampler = getattr(dataloader, "batch_sampler", None)
+        sampler_state = _sampler_state(state)
+        if not hasattr(sampler, "reads_like") or sampler_state is None or sampler.reads_like(sampler_state):
+            dataloader.load_state_dict(state)
+            return
+    sampler = getattr(dataloader, "batch_sampler", None)
+    if not hasattr(sampler, "continue_from"):
         raise ConfigError(
-            f"{checkpoint} was written by {saved} processes and cannot continue on {world_size}: launch with "
-            f"--num_processes {saved}, or start afresh with checkpoint.resume=false (or another output_dir)"
+            f"{checkpoint} was written by {len(saved)} processes and its streaming data cannot continue on "
+            f"{world_size}: launch with --num_processes {len(saved)}, or start afresh with checkpoint.resume=false "
+            "(or another output_dir)"
         )
-    return torch.load(path, weights_only=False)
+    states = [_sampler_state(torch.load(data_position_file(checkpoint, r), weights_only=False)) or {}
+              for r in range(len(saved))]  # fmt: skip
+    try:
+        data = sampler.continue_from(states)
+    except (ValueError, FileNotFoundError) as err:
+        data = f"the data order starts afresh ({err})"
+    logger.warning(
+        "%s was written by %d processes, this run has %d: weights, optimizer and schedule resume; %s",
+        checkpoint,
+        len(saved),
+        world_size,
+        data,
+    )
+
+
+def _sampler_state(loader_state: dict) -> dict | None:
+    """The batch sampler's position in a ``StatefulDataLoader`` state (with or without worker processes)."""
+    main = loader_state.get("_snapshot", {}).get("_main_snapshot", loader_state)
+    return main.get("_index_sampler_state")
 
 
 def mark_complete(checkpoint: Path) -> None:

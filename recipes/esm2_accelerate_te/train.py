@@ -14,7 +14,7 @@ from pathlib import Path
 
 import hydra
 from callbacks import DataPositionCallback, FinalCheckpointCallback, PerfCallback, StopAfterStepsCallback
-from checkpoints import checkpoint_step, load_data_position, resume_checkpoint
+from checkpoints import checkpoint_step, restore_data_position, resume_checkpoint
 from dataset import create_dataloader
 from export import export_final_model
 from launch_settings import (
@@ -76,7 +76,7 @@ def main(cfg: DictConfig) -> None:
     resume_from = resume_checkpoint(cfg.checkpoint.resume, cfg.checkpoint.resume_from, cfg.output_dir)
     start_step = 0
     if resume_from is not None:
-        dataloader.load_state_dict(load_data_position(resume_from, args.process_index, args.world_size))
+        restore_data_position(resume_from, dataloader, args.process_index, args.world_size)
         start_step = checkpoint_step(resume_from)
         logger.info("Resuming from %s (step %d)", resume_from, start_step)
 

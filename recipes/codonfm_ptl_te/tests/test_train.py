@@ -86,6 +86,25 @@ def test_stop_and_resume_is_exact(tmp_path, strategy):
         torch.testing.assert_close(weights[resumed][key], value, rtol=0, atol=0, msg=key)
 
 
+def test_resume_on_one_process_continues_the_epoch_of_two(tmp_path):
+    """10 steps on 2 processes (THD), then the same command in one process: weights, optimizer and schedule resume,
+    and the one rank's sampler continues from both saved positions (its state names them as the earlier world),
+    so it reads the rows of the epoch the two ranks had not (the sampler's own tests check that row by row)."""
+    common = ["logger.log_every=1", "checkpoint.save_every=10", "data.token_budget=1024"]
+    run_script("train.py", f"output_dir={tmp_path}", "num_train_steps=10", *common, nproc=2)
+    checkpoint = torch.load(tmp_path / "checkpoints" / "last.ckpt", map_location="cpu", weights_only=False)
+    positions = [state[0]["_index_sampler_state"] for state in checkpoint["per_rank_loader_states"]]
+    result = run_script("train.py", f"output_dir={tmp_path}", "num_train_steps=20", *common)
+    log = result.stdout + result.stderr
+    assert "written by 2 rank(s), this run has 1" in log and "2 DP ranks had read" in log
+    assert [m["step"] for m in read_jsonl(tmp_path / "metrics.jsonl")] == list(range(1, 21))
+    final = torch.load(tmp_path / "checkpoints" / "last.ckpt", map_location="cpu", weights_only=False)
+    assert final["global_step"] == 20
+    position = final["loops"]["fit_loop"]["state_dict"]["combined_loader"][0]["_index_sampler_state"]
+    assert position["dp_world_size"] == 1
+    assert position["history"] == [{"dp_world_size": 2, "positions": [[p["epoch"], p["consumed"]] for p in positions]}]
+
+
 @pytest.mark.parametrize("strategy", ["ddp", "fsdp2"])
 def test_activation_recompute_trains_exactly_like_keeping_activations(tmp_path, strategy):
     """``model_config_overrides.recompute_layers`` under Lightning's DDP and FSDP2 strategies, 2 processes, dropout

@@ -1,9 +1,11 @@
 """The parts train.py puts together, each against a reference that does not use it: the loss over micro-batches, the
 checkpoint bookkeeping, and the one-line refusals of what a launch cannot do."""
 
+import itertools
 import os
 from types import SimpleNamespace
 
+import numpy as np
 import pytest
 import torch
 import torch.nn.functional as F
@@ -11,16 +13,18 @@ from checkpoints import (
     MARKER,
     checkpoint_step,
     find_resume_checkpoint,
-    load_data_position,
     mark_complete,
     prune_checkpoints,
+    restore_data_position,
     resume_checkpoint,
     save_data_position,
 )
+from epoch_batch_sampler import EpochBatchSampler
 from hydra import compose, initialize_config_dir
 from launch import RECIPE_DIR
 from launch_settings import LaunchSettings, check_launch, fp8_config_from_accelerate
 from mlm_trainer import masked_lm_loss
+from torchdata.stateful_dataloader import StatefulDataLoader
 from training_arguments import training_arguments
 from transformers.modeling_outputs import MaskedLMOutput
 from user_errors import ConfigError, UnsupportedHardwareError
@@ -97,13 +101,56 @@ def test_pruning_keeps_the_newest_complete_checkpoints(tmp_path):
     assert len(list(tmp_path.iterdir())) == 3
 
 
-def test_data_position_round_trip_and_a_different_process_count(tmp_path):
+class _Loader:
+    """A loader without a batch sampler (as the streaming loader): it only takes its state back."""
+
+    batch_sampler = None
+
+    def __init__(self):
+        self.loaded = None
+
+    def load_state_dict(self, state):
+        self.loaded = state
+
+
+class _EpochRows(torch.utils.data.Dataset):
+    def __getitem__(self, key):  # the (epoch, row) the sampler hands out
+        return key
+
+    def __len__(self):
+        return 50
+
+
+def _sequence_loader(rank: int, world_size: int) -> StatefulDataLoader:
+    sampler = EpochBatchSampler(np.arange(50), dp_rank=rank, dp_world_size=world_size, seed=3, micro_batch_size=4)
+    return StatefulDataLoader(_EpochRows(), batch_sampler=sampler, collate_fn=lambda rows: rows)
+
+
+def test_data_position_round_trip_and_a_different_process_count(tmp_path, caplog):
     checkpoint = _checkpoint(tmp_path, 5)
     for rank in (0, 1):
         save_data_position(checkpoint, rank, {"epoch": 1, "consumed": 16 + rank})
-    assert load_data_position(checkpoint, 1, 2) == {"epoch": 1, "consumed": 17}
-    with pytest.raises(ConfigError, match="written by 2 processes and cannot continue on 4"):
-        load_data_position(checkpoint, 3, 4)
+    loader = _Loader()
+    restore_data_position(checkpoint, loader, 1, 2)
+    assert loader.loaded == {"epoch": 1, "consumed": 17}
+    with pytest.raises(ConfigError, match="written by 2 processes and its streaming data cannot continue on 4"):
+        restore_data_position(checkpoint, _Loader(), 3, 4)
+
+    # Map-style data on another number of processes: the epoch goes on with the rows neither process had read.
+    checkpoint = _checkpoint(tmp_path, 6)
+    read = []
+    for rank in (0, 1):
+        loader = _sequence_loader(rank, 2)
+        batches = iter(loader)
+        read += [row for _ in range(3) for _, row in next(batches)]
+        save_data_position(checkpoint, rank, loader.state_dict())
+    resumed = _sequence_loader(0, 1)
+    restore_data_position(checkpoint, resumed, 0, 1)
+    assert (
+        "written by 2 processes, this run has 1" in caplog.text and "had read 24 of epoch 0's 50 rows" in caplog.text
+    )
+    rest = [row for batch in itertools.takewhile(lambda b: b[0][0] == 0, resumed) for _, row in batch]
+    assert sorted(read + rest) == list(range(50))
 
 
 # ------------------------------------------------------------------------------------------------ launch checks

@@ -5,6 +5,7 @@ References are independent of the code under test: the loss must fall below the 
 exactly, and the export must hold the weights of the last checkpoint.
 """
 
+import math
 import os
 from pathlib import Path
 
@@ -70,6 +71,19 @@ def test_resume_is_exact(tmp_path):
     for (step, loss, norm), (_, resumed_loss, resumed_norm) in zip(expected, resumed):
         assert resumed_loss == pytest.approx(loss, rel=1e-6, abs=1e-7), step
         assert resumed_norm == pytest.approx(norm, rel=1e-5), step
+
+
+def test_resume_on_one_process_continues_a_two_process_run(tmp_path):
+    """Stopped after step 6 on 2 processes and relaunched on 1: the Trainer restores weights, optimizer and schedule,
+    and the data goes on with the rows of the epoch that neither process had read (``restore_data_position``)."""
+    common = [TINY_ESM2, *FAST, "num_train_steps=12", "logger.log_every=1", "export_final_model=false"]
+    accelerate_launch("cpu.yaml", f"output_dir={tmp_path}", *common, "stop_after_steps=6", num_processes=2)
+    result = accelerate_launch("cpu.yaml", f"output_dir={tmp_path}", *common, num_processes=1)
+    log = result.stdout + result.stderr
+    assert "written by 2 processes, this run has 1" in log and "dealt out to 1 DP rank(s)" in log
+    metrics = read_metrics(tmp_path)
+    assert [m["step"] for m in metrics] == list(range(1, 13))
+    assert all(math.isfinite(m["loss"]) for m in metrics)
 
 
 def test_the_trainers_gradient_checkpointing_recomputes_and_trains_the_same(tmp_path):
