@@ -17,6 +17,7 @@ from pathlib import Path
 import lightning as L
 import torch
 import torch.distributed as dist
+from epoch_batch_sampler import EpochBatchSampler
 from hf_export import write_hf_directory
 from omegaconf import DictConfig
 from perf_logger import PerfLogger, drop_metrics_after, quiet_progress_bars_off_a_terminal
@@ -138,17 +139,12 @@ class PerRankDataPosition(L.Callback):
             state.pop("combined_loader", None)
             datamodule = getattr(trainer, "datamodule", None)
             if datamodule is not None and hasattr(datamodule, "continue_data_from"):
-                datamodule.continue_data_from = [_sampler_state(loaders) for loaders in saved]
+                # Each rank's combined_loader is a list of loader states, the training loader's first.
+                datamodule.continue_data_from = [
+                    EpochBatchSampler.position_in((loaders or [None])[0]) or {} for loaders in saved
+                ]
             return
         state["combined_loader"] = saved[trainer.global_rank]
-
-
-def _sampler_state(loader_states) -> dict:
-    """The training loader's batch-sampler position in one rank's saved ``combined_loader`` (a list, one state per
-    loader, each a ``StatefulDataLoader`` state with or without worker processes); {} when there is none."""
-    loader_state = (loader_states or [None])[0] or {}
-    main = loader_state.get("_snapshot", {}).get("_main_snapshot", loader_state)
-    return main.get("_index_sampler_state") or {}
 
 
 class ExportCallback(L.Callback):

@@ -97,8 +97,8 @@ def restore_data_position(checkpoint: Path, dataloader, rank: int, world_size: i
     if len(saved) == world_size:
         state = torch.load(data_position_file(checkpoint, rank), weights_only=False)
         sampler = getattr(dataloader, "batch_sampler", None)
-        sampler_state = _sampler_state(state)
-        if not hasattr(sampler, "reads_like") or sampler_state is None or sampler.reads_like(sampler_state):
+        sampler_state = sampler.position_in(state) if hasattr(sampler, "position_in") else None
+        if sampler_state is None or sampler.reads_like(sampler_state):
             dataloader.load_state_dict(state)
             return
     sampler = getattr(dataloader, "batch_sampler", None)
@@ -108,7 +108,7 @@ def restore_data_position(checkpoint: Path, dataloader, rank: int, world_size: i
             f"{world_size}: launch with --num_processes {len(saved)}, or start afresh with checkpoint.resume=false "
             "(or another output_dir)"
         )
-    states = [_sampler_state(torch.load(data_position_file(checkpoint, r), weights_only=False)) or {}
+    states = [sampler.position_in(torch.load(data_position_file(checkpoint, r), weights_only=False)) or {}
               for r in range(len(saved))]  # fmt: skip
     try:
         data = sampler.continue_from(states)
@@ -121,12 +121,6 @@ def restore_data_position(checkpoint: Path, dataloader, rank: int, world_size: i
         world_size,
         data,
     )
-
-
-def _sampler_state(loader_state: dict) -> dict | None:
-    """The batch sampler's position in a ``StatefulDataLoader`` state (with or without worker processes)."""
-    main = loader_state.get("_snapshot", {}).get("_main_snapshot", loader_state)
-    return main.get("_index_sampler_state")
 
 
 def mark_complete(checkpoint: Path) -> None:

@@ -331,7 +331,7 @@ class Checkpointer:
         sampler = _continuable_sampler(dataloader)
         if rank_state is not None and rank_state["world_size"] == _world_size():
             loader_state = rank_state["dataloader"]
-            sampler_state = _batch_sampler_state(loader_state)
+            sampler_state = sampler.position_in(loader_state) if sampler is not None else None
             # (The same number of ranks may still be another split into data-parallel ranks, e.g. another cp_size.)
             if sampler is None or sampler_state is None or sampler.reads_like(sampler_state):
                 if dataloader is not None and loader_state is not None:
@@ -342,7 +342,7 @@ class Checkpointer:
         data = "the data order starts afresh"
         if sampler is not None and saved_world:
             try:
-                data = sampler.continue_from(_saved_sampler_states(path, saved_world))
+                data = sampler.continue_from(_saved_sampler_states(path, saved_world, sampler))
             except (ValueError, FileNotFoundError) as err:
                 data = f"the data order starts afresh ({err})"
         logger.warning(
@@ -370,25 +370,18 @@ def _saved_world_size(path: Path) -> int | None:
 def _continuable_sampler(dataloader: Any) -> Any:
     """The loader's batch sampler if it can continue another world's positions (``EpochBatchSampler``), else None."""
     sampler = getattr(dataloader, "batch_sampler", None)
-    return sampler if hasattr(sampler, "continue_from") and hasattr(sampler, "reads_like") else None
+    needed = ("continue_from", "reads_like", "position_in")
+    return sampler if all(hasattr(sampler, name) for name in needed) else None
 
 
-def _batch_sampler_state(loader_state: dict | None) -> dict | None:
-    """The batch sampler's state inside a ``StatefulDataLoader`` state (with or without worker processes)."""
-    if not loader_state:
-        return None
-    main = loader_state.get("_snapshot", {}).get("_main_snapshot", loader_state)
-    return main.get("_index_sampler_state")
-
-
-def _saved_sampler_states(path: Path, saved_world: int) -> list[dict]:
+def _saved_sampler_states(path: Path, saved_world: int, sampler: Any) -> list[dict]:
     """Every saved rank's batch-sampler state (each rank of the new world reads them all: they are small)."""
     states = []
     for rank in range(saved_world):
         state = _read_rank_state(path, rank)
         if state is None:
             raise FileNotFoundError(f"{path} lacks rank{rank}_state.pt")
-        sampler_state = _batch_sampler_state(state["dataloader"])
+        sampler_state = sampler.position_in(state["dataloader"])
         if sampler_state is None:
             raise ValueError(f"rank {rank} saved no batch-sampler position")
         states.append(sampler_state)

@@ -61,6 +61,14 @@ class EpochBatchSampler:
         self.epoch, self.consumed = int(state["epoch"]), int(state["consumed"])
         self.history = list(state.get("history", []))
 
+    @staticmethod
+    def position_in(loader_state: dict | None) -> dict | None:
+        """This sampler's state inside a ``StatefulDataLoader`` state (with or without worker processes), if any."""
+        if not loader_state:
+            return None
+        main = loader_state.get("_snapshot", {}).get("_main_snapshot", loader_state)
+        return main.get("_index_sampler_state")
+
     def reads_like(self, state: dict) -> bool:
         """Whether ``state`` was saved by the sampler of this DP rank in a world of this size (older states, which do
         not say, are taken to be)."""

@@ -20,7 +20,8 @@ from torchdata.stateful_dataloader import StatefulDataLoader
 TOTAL_STEPS, SAVE_AT = 6, 3
 
 
-def build(strategy: str, rank: int, world_size: int):
+def build_training(strategy: str):
+    """A toy model (the same initial weights on every rank), sharded or wrapped, with AdamW and a schedule."""
     torch.manual_seed(0)
     model = torch.nn.Sequential(torch.nn.Linear(8, 16), torch.nn.GELU(), torch.nn.Linear(16, 1))
     if strategy == "fsdp2":
@@ -31,6 +32,11 @@ def build(strategy: str, rank: int, world_size: int):
         model = DistributedDataParallel(model)
     optimizer = torch.optim.AdamW(model.parameters(), lr=1e-2)
     scheduler = get_linear_schedule_with_warmup(optimizer, num_warmup_steps=2, num_decay_steps=10)
+    return model, optimizer, scheduler
+
+
+def build(strategy: str, rank: int, world_size: int):
+    model, optimizer, scheduler = build_training(strategy)
     data = TensorDataset(torch.arange(64, dtype=torch.float32).reshape(-1, 1).repeat(1, 8) / 64)
     sampler = DistributedSampler(data, num_replicas=world_size, rank=rank, shuffle=True, seed=1)
     loader = StatefulDataLoader(data, batch_size=2, sampler=sampler)

@@ -15,12 +15,10 @@ import numpy as np
 import torch
 import torch.distributed as dist
 from checkpoint import Checkpointer
+from checkpoint_worker import build_training
 from distributed import cleanup_distributed, setup_distributed
 from epoch_batch_sampler import EpochBatchSampler
-from scheduler import get_linear_schedule_with_warmup
 from torch.distributed.checkpoint.state_dict import StateDictOptions, get_state_dict
-from torch.distributed.fsdp import fully_shard
-from torch.nn.parallel import DistributedDataParallel
 from torchdata.stateful_dataloader import StatefulDataLoader
 
 
@@ -39,16 +37,7 @@ class Rows(torch.utils.data.Dataset):
 
 
 def build(strategy: str, rank: int, world_size: int):
-    torch.manual_seed(0)
-    model = torch.nn.Sequential(torch.nn.Linear(8, 16), torch.nn.GELU(), torch.nn.Linear(16, 1))
-    if strategy == "fsdp2":
-        for layer in (model[0], model[2]):
-            fully_shard(layer)
-        fully_shard(model)
-    else:
-        model = DistributedDataParallel(model)
-    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-2)
-    scheduler = get_linear_schedule_with_warmup(optimizer, num_warmup_steps=2, num_decay_steps=10)
+    model, optimizer, scheduler = build_training(strategy)  # checkpoint_worker.py's toy model
     sampler = EpochBatchSampler(np.arange(ROWS), dp_rank=rank, dp_world_size=world_size, seed=1, micro_batch_size=2)
     loader = StatefulDataLoader(Rows(), batch_sampler=sampler, num_workers=1)
     return model, optimizer, scheduler, loader
