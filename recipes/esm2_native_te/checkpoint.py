@@ -15,7 +15,10 @@ starts and when the run ends.
 Inside a checkpoint:
 
 - ``rank<r>_state.pt``: per-rank state, saved by every rank because ranks read different data: the
-  ``StatefulDataLoader`` position and the RNG streams (masking, dropout and anything else that draws from them);
+  ``StatefulDataLoader`` position and the RNG streams (masking, dropout and anything else that draws from them).
+  A run resumed on another number of ranks restores everything but the RNG streams; a loader whose batch sampler can
+  continue other ranks' positions (``EpochBatchSampler.continue_from``) gets all saved ranks' positions and goes on
+  with the rows of the epoch that none of them had read, any other loader starts its data afresh;
 - DDP: ``train_state.pt`` from rank 0 (model, optimizer, scheduler, step);
 - FSDP2 / Megatron-FSDP: a ``torch.distributed.checkpoint`` (DCP) directory of sharded model and optimizer states
   plus scheduler and step, each rank writing its own shards.
@@ -345,12 +348,14 @@ class Checkpointer:
                 data = sampler.continue_from(_saved_sampler_states(path, saved_world, sampler))
             except (ValueError, FileNotFoundError) as err:
                 data = f"the data order starts afresh ({err})"
+        if saved_world == _world_size():
+            ranks = f"was written by {saved_world} ranks split into other data-parallel groups (another cp_size)"
+        else:
+            ranks = f"was written by {saved_world or 'an unknown number of'} ranks, this run has {_world_size()}"
         logger.warning(
-            "Checkpoint %s was written by %s ranks, this run has %d: model, optimizer, schedule and step are "
-            "restored; %s; RNG streams start afresh",
+            "Checkpoint %s %s: model, optimizer, schedule and step are restored; %s; RNG streams start afresh",
             path,
-            saved_world or "an unknown number of",
-            _world_size(),
+            ranks,
             data,
         )
 
