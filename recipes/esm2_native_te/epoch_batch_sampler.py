@@ -80,7 +80,8 @@ class EpochBatchSampler:
         the CP ranks of one DP group hold equal ones) stopped, on this world's ranks; returns what it did, for the log.
 
         Raises ``ValueError`` when ``states`` cannot describe that world (an older format, ranks missing or
-        disagreeing, another dataset or seed): the caller then starts the data afresh.
+        disagreeing, another number of usable rows): the caller then starts the data afresh. The seed and shuffling
+        must be the run's own, as for any resume.
         """
         if any("dp_world_size" not in s or "dp_rank" not in s for s in states):
             raise ValueError("the checkpoint's data positions predate resuming on another number of ranks")
