@@ -1,8 +1,8 @@
 """Streaming DNA for causal-LM pre-training: read shards lazily, cut windows, pack, split per rank, resume exactly.
 
 ``create_dataloader(data_cfg, tokenizer, dp_rank, dp_world_size, seed)`` is the training entry point (an endless,
-resumable ``StatefulDataLoader``); ``validation_batches(...)`` makes one finite pass over a held-out file. ``data_cfg``
-holds the keys of the ``dataset:`` group in ``hydra_config/defaults.yaml``; unknown keys are an error.
+resumable ``StatefulDataLoader``); ``validation_batches(...)`` makes one finite pass over a held-out file and
+``held_out_batches(...)`` hands that pass to ``validation.Validator``. ``data_cfg`` holds the keys of the ``dataset:`` group in ``hydra_config/defaults.yaml``; unknown keys are an error.
 
 Sources (a file, a directory or a glob): JSON lines (``.jsonl``/``.jsonl.gz``, the sequence under
 ``sequence_column``, OpenGenome2's layout), FASTA (``.fa``/``.fasta``/``.fna``, optionally ``.gz``) and Parquet
@@ -39,6 +39,7 @@ from context_parallel import context_parallel_batch
 from sequence_windows import sequence_windows
 from torchdata.stateful_dataloader import StatefulDataLoader
 from user_errors import ConfigError, PathNotFoundError
+from validation import HeldOutBatches
 
 
 logger = logging.getLogger(__name__)
@@ -88,8 +89,9 @@ def file_format(file: Path, fmt: str = "auto") -> str:
     raise ConfigError(f"cannot tell the format of {file}; name it .jsonl[.gz], .fa/.fasta/.fna[.gz] or .parquet")
 
 
-def resolve_files(path: str, fmt: str = "auto") -> list[Path]:
-    """The data files a path names, sorted; a directory contributes the files whose format its names give away."""
+def resolve_files(path: str, fmt: str = "auto", key: str = "dataset.path") -> list[Path]:
+    """The data files a path names, sorted; a directory contributes the files whose format its names give away.
+    ``key``: the config key that gave the path, for the error message."""
     if any(ch in path for ch in "*?["):
         files = sorted(Path(p) for p in glob.glob(path) if Path(p).is_file())
     elif Path(path).is_dir():
@@ -104,12 +106,10 @@ def resolve_files(path: str, fmt: str = "auto") -> list[Path]:
     elif Path(path).is_file():
         files = [Path(path)]
     else:
-        raise PathNotFoundError(
-            f"dataset path {path!r} does not exist; point dataset.path at a file, directory or glob"
-        )
+        raise PathNotFoundError(f"{key} {path!r} does not exist; point {key} at a file, directory or glob")
     if not files:
         raise PathNotFoundError(
-            f"dataset path {path!r} names no data files; give .jsonl[.gz], .fa/.fasta/.fna[.gz] or .parquet files"
+            f"{key} {path!r} names no data files; give .jsonl[.gz], .fa/.fasta/.fna[.gz] or .parquet files"
         )
     return files
 
@@ -426,3 +426,38 @@ def validation_batches(
         resolve_files(path, cfg["format"]), tokenizer, cfg, dp_rank, dp_world_size, 0, endless=False
     )
     return islice(iter(stream), max_batches)
+
+
+def held_out_batches(
+    path: str, data_cfg: Any, tokenizer, dp_rank: int = 0, dp_world_size: int = 1, cp_size: int = 1
+) -> HeldOutBatches:
+    """This rank's validation pass over ``path`` for ``validation.Validator``: ``validation_batches`` read anew at
+    every evaluation (nothing is held between them), as full context-parallel batches when ``cp_size > 1``.
+
+    The files are resolved here, so a missing ``validation.path`` stops the run before it trains.
+    """
+    files = resolve_files(path, key="validation.path")
+    pad = pad_token_id(tokenizer)
+
+    def read() -> Iterator[dict]:
+        for batch in validation_batches(data_cfg, tokenizer, path, dp_rank, dp_world_size):
+            yield batch if cp_size == 1 else context_parallel_batch(batch, cp_size, pad)
+
+    # <bos><eos>, nothing scored: what a rank without validation windows runs so that collectives line up.
+    ids = torch.tensor([[tokenizer.bos_token_id, tokenizer.eos_token_id]])
+    boundaries = torch.tensor([0, 2], dtype=torch.int32)
+    placeholder = {
+        "input_ids": ids,
+        "labels": torch.full_like(ids, -100),
+        "cu_seq_lens_q": boundaries,
+        "cu_seq_lens_k": boundaries.clone(),
+    }
+    if cp_size > 1:
+        placeholder = context_parallel_batch(placeholder, cp_size, pad)
+    return HeldOutBatches(
+        read,
+        placeholder,
+        causal_lm=True,
+        description=f"{len(files)} file(s) under {path}, read in file order; data-parallel rank {dp_rank} of "
+        f"{dp_world_size} scores its share",
+    )

@@ -18,7 +18,7 @@ import torch
 from checkpoint import Checkpointer, export_final_model, gather_full_state_dict
 from collator import pad_token_id
 from context_parallel import shard_for_context_parallel
-from dataset import create_dataloader
+from dataset import create_dataloader, held_out_batches
 from distributed import build_meshes, cleanup_distributed, move_to_device, setup_distributed
 from grad_accumulation import count_targets, token_weights
 from model_setup import build_model
@@ -67,13 +67,11 @@ def main(cfg: DictConfig) -> None:
     )
     validator = Validator(
         cfg.validation,
-        cfg.dataset,
-        tokenizer,
-        meshes.dp_rank,
-        meshes.dp_size,
-        device,
-        cfg.output_dir,
-        cfg.wandb.mode,
+        lambda path: held_out_batches(path, cfg.dataset, tokenizer, meshes.dp_rank, meshes.dp_size, cfg.cp_size),
+        dp_rank=meshes.dp_rank,
+        device=device,
+        output_dir=cfg.output_dir,
+        wandb_mode=cfg.wandb.mode,
         cp_size=cfg.cp_size,
         cp_rank=cp_rank,
     )

@@ -16,7 +16,7 @@ import hydra
 import torch
 from checkpoint import Checkpointer, export_final_model, gather_full_state_dict
 from collator import pad_token_id
-from dataset import create_dataloader
+from dataset import create_dataloader, held_out_batches
 from distributed import build_meshes, cleanup_distributed, move_to_device, setup_distributed
 from grad_accumulation import count_targets, token_weights
 from model_setup import build_model
@@ -57,7 +57,12 @@ def main(cfg: DictConfig) -> None:
         cfg.dataset, tokenizer, dp_rank=meshes.dp_rank, dp_world_size=meshes.dp_size, seed=cfg.seed
     )
     validator = Validator(
-        cfg.validation, cfg.dataset, tokenizer, meshes.dp_rank, meshes.dp_size, device, cfg.output_dir, cfg.wandb.mode
+        cfg.validation,
+        lambda path: held_out_batches(path, cfg.dataset, tokenizer, meshes.dp_rank, meshes.dp_size),
+        dp_rank=meshes.dp_rank,
+        device=device,
+        output_dir=cfg.output_dir,
+        wandb_mode=cfg.wandb.mode,
     )
 
     # Resume from the newest complete checkpoint (sharded model/optimizer, schedule, data cursor, RNG streams). The

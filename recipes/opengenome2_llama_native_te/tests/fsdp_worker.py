@@ -20,6 +20,7 @@ from pathlib import Path
 
 import torch
 import torch.distributed as dist
+from dataset import held_out_batches
 from distributed import build_meshes, setup_distributed
 from hydra import compose, initialize_config_dir
 from model_setup import build_model, load_model_config
@@ -98,8 +99,21 @@ def validation(meshes, work_dir: Path) -> dict:
     val_cfg = OmegaConf.create({"path": str(path), "every_n_steps": 1, "max_batches": None})
     tokenizer = AutoTokenizer.from_pretrained(recipe_path("tokenizer"))
     world = dist.get_world_size()
-    split = Validator(val_cfg, data_cfg, tokenizer, dist.get_rank(), world, torch.device("cpu"), work_dir, "disabled")
-    whole = Validator(val_cfg, data_cfg, tokenizer, 0, 1, torch.device("cpu"), work_dir / "whole", "disabled")
+    rank, cpu = dist.get_rank(), torch.device("cpu")
+    split = Validator(
+        val_cfg,
+        lambda path: held_out_batches(path, data_cfg, tokenizer, rank, world),
+        dp_rank=rank,
+        device=cpu,
+        output_dir=work_dir,
+    )
+    whole = Validator(
+        val_cfg,
+        lambda path: held_out_batches(path, data_cfg, tokenizer),
+        dp_rank=0,
+        device=cpu,
+        output_dir=work_dir / "whole",
+    )
     # Every rank scoring the whole file: the all-reduce adds `world` copies of the same sums.
     return {"split": split.run(model, step=1), "whole": whole.run(model, step=1), "world": world}
 

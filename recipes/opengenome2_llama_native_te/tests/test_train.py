@@ -171,7 +171,7 @@ def test_missing_data_fails_clearly(tmp_path):
     result = run_script(
         "train_fsdp2.py", f"output_dir={tmp_path}", "dataset.path=/no/such/shards", expect_failure=True
     )
-    assert "dataset path '/no/such/shards' does not exist" in result.stderr
+    assert "dataset.path '/no/such/shards' does not exist" in result.stderr
 
 
 def test_malformed_training_data_fails_with_file_and_line(tmp_path):

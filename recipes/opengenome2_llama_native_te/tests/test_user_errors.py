@@ -30,7 +30,7 @@ def fail_in_a_subprocess(tmp_path: Path, *overrides: str):
 
 def test_missing_data_path(tmp_path):
     result = fail(tmp_path, "dataset.path=/no/such/shards")
-    assert_user_error(result, "dataset path '/no/such/shards' does not exist", "point dataset.path at")
+    assert_user_error(result, "dataset.path '/no/such/shards' does not exist", "point dataset.path at")
 
 
 def test_empty_data_file(tmp_path):

@@ -6,6 +6,7 @@ import math
 
 import pytest
 import torch
+from dataset import held_out_batches
 from modeling_llama_te import NVLlamaConfig, NVLlamaForCausalLM
 from omegaconf import OmegaConf
 from recipe_paths import recipe_path
@@ -26,7 +27,13 @@ def validator(path, tmp_path, every_n_steps=5, max_batches=None) -> Validator:
     cfg = OmegaConf.create({"path": str(path), "every_n_steps": every_n_steps, "max_batches": max_batches})
     data_cfg = {"max_seq_length": 16, "window_overlap": 4, "token_budget": 20}
     tokenizer = AutoTokenizer.from_pretrained(recipe_path("tokenizer"))
-    return Validator(cfg, data_cfg, tokenizer, 0, 1, torch.device("cpu"), tmp_path, "disabled")
+    return Validator(
+        cfg,
+        lambda path: held_out_batches(path, data_cfg, tokenizer),
+        dp_rank=0,
+        device=torch.device("cpu"),
+        output_dir=tmp_path,
+    )
 
 
 @pytest.fixture(scope="module")
@@ -79,7 +86,7 @@ def test_validation_restores_training_mode_and_runs_on_schedule(model, tmp_path)
 
 def test_no_validation_path_means_never(tmp_path):
     cfg = OmegaConf.create({"path": None, "every_n_steps": 0, "max_batches": None})
-    val = Validator(cfg, {}, None, 0, 1, torch.device("cpu"), tmp_path, "disabled")
+    val = Validator(cfg, None, dp_rank=0, device=torch.device("cpu"), output_dir=tmp_path)
     assert not val.enabled and not any(val.due(step) for step in range(1, 100))
 
 
@@ -88,5 +95,5 @@ def test_errors_in_validation_propagate(model, tmp_path):
     bad.write_text('{"text": "ACGT"}\n{"text": \n')
     with pytest.raises(ValueError, match=r"bad.jsonl:2: not a JSON object"):
         validator(bad, tmp_path).run(model, step=5)
-    with pytest.raises(FileNotFoundError):
-        validator(tmp_path / "missing.jsonl.gz", tmp_path).run(model, step=5)
+    with pytest.raises(FileNotFoundError, match="validation.path .*missing.jsonl.gz' does not exist"):
+        validator(tmp_path / "missing.jsonl.gz", tmp_path)  # before training starts, not at the first evaluation
