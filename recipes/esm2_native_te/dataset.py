@@ -104,13 +104,13 @@ def detect_format(path: str) -> str:
     return SUFFIX_FORMATS.get(os.path.splitext(name)[1], "hf")
 
 
-def _expand_files(path: str) -> list[str]:
+def _expand_files(path: str, key: str = "dataset.path") -> list[str]:
     files = sorted(glob.glob(path)) if glob.has_magic(path) else [path]
     missing = [f for f in files if not os.path.isfile(f)]
     if not files or missing:
         raise PathNotFoundError(
-            f"data path {path!r} matches no file" + (f" ({missing[0]!r} missing)" if missing else "") + "; point "
-            "dataset.path at a FASTA, Parquet, CSV or JSONL file, a glob, or a Hugging Face dataset"
+            f"data path {path!r} matches no file" + (f" ({missing[0]!r} missing)" if missing else "") + f"; point "
+            f"{key} at a FASTA, Parquet, CSV or JSONL file, a glob, or a Hugging Face dataset"
         )
     return files
 
@@ -172,14 +172,16 @@ def load_sequences(
     name: str | None = None,
     streaming: bool = False,
     cache_dir: str | None = None,
+    key: str = "dataset.path",
 ):
-    """Open a sequence source as a ``datasets.Dataset`` (or ``IterableDataset`` when streaming)."""
+    """Open a sequence source as a ``datasets.Dataset`` (or ``IterableDataset`` when streaming); ``key`` is the
+    config key that named it, for error messages."""
     fmt = detect_format(path) if format == "auto" else format
     if fmt == "fasta":
-        ds = _fasta_dataset(_expand_files(path), streaming, cache_dir)
+        ds = _fasta_dataset(_expand_files(path, key), streaming, cache_dir)
     elif fmt in BUILDERS:
         ds = datasets.load_dataset(
-            BUILDERS[fmt], data_files=_expand_files(path), split="train", streaming=streaming, cache_dir=cache_dir
+            BUILDERS[fmt], data_files=_expand_files(path, key), split="train", streaming=streaming, cache_dir=cache_dir
         )
     elif fmt == "hf":
         ds = datasets.load_dataset(path, name, split=split, streaming=streaming, cache_dir=cache_dir)
@@ -438,7 +440,7 @@ def resolve_data_config(data_cfg) -> dict:
 
 
 @contextlib.contextmanager
-def _local_rank_zero_first():
+def local_rank_zero_first():
     """Let local rank 0 build the datasets cache (Arrow files, tokenized map) while the other ranks wait, so they
     read it instead of racing to write it. Every rank passes exactly one barrier."""
     distributed = torch.distributed.is_available() and torch.distributed.is_initialized()
@@ -488,7 +490,7 @@ def create_dataloader(
         dataset = StreamingSamples(ds, tokenizer, policy, column, segment_multiple, source, **batching)
         loader_kw = {"batch_size": None}
     else:
-        with _local_rank_zero_first():
+        with local_rank_zero_first():
             ds = load_sequences(str(cfg["path"]), **{key: cfg[key] for key in source_keys})
             ds, stats = tokenize_dataset(ds, tokenizer, policy, seed, column, source, cfg["num_proc"])
         stats.log(source)

@@ -29,6 +29,8 @@ from quant_stats import QuantStats
 from recipe_paths import config_name
 from scheduler import get_linear_schedule_with_warmup
 from user_errors import check_config, report_user_errors
+from validation import Validator
+from validation_data import held_out_batches
 
 
 logger = logging.getLogger(__name__)
@@ -64,6 +66,19 @@ def main(cfg: DictConfig) -> None:
         cp_size=cfg.cp_size,
     )
     cp_rank = meshes.cp.get_local_rank() if meshes.cp is not None else None  # None: cp_size=1, nothing to split
+    # Held-out loss every validation.every_n_steps (validation.path=null: none); read now, so a bad file fails early.
+    validator = Validator(
+        cfg.validation,
+        lambda path: held_out_batches(
+            path, cfg.dataset, tokenizer, meshes.dp_rank, meshes.dp_size, cfg.seed, cfg.cp_size, cfg.validation.split
+        ),
+        dp_rank=meshes.dp_rank,
+        device=device,
+        output_dir=cfg.output_dir,
+        wandb_mode=cfg.wandb.mode,
+        cp_size=cfg.cp_size,
+        cp_rank=cp_rank or 0,
+    )
 
     checkpointer = Checkpointer(
         cfg.checkpoint.ckpt_dir,
@@ -109,6 +124,8 @@ def main(cfg: DictConfig) -> None:
             quant_stats.step()
 
         perf.log_step(step, step_loss, grad_norm, lr)
+        if validator.due(step):
+            validator.run(built.train_model, step)
         checkpointer.poll()
         if cfg.checkpoint.save_every and step % cfg.checkpoint.save_every == 0:
             checkpointer.save(step, model, optimizer, scheduler, dataloader)

@@ -25,6 +25,8 @@ from quant_stats import QuantStats
 from recipe_paths import config_name
 from scheduler import get_linear_schedule_with_warmup
 from user_errors import check_config, report_user_errors
+from validation import Validator
+from validation_data import held_out_batches
 
 
 logger = logging.getLogger(__name__)
@@ -54,6 +56,17 @@ def main(cfg: DictConfig) -> None:
     scheduler = get_linear_schedule_with_warmup(optimizer, **cfg.lr_scheduler_kwargs)
     dataloader = create_dataloader(
         cfg.dataset, tokenizer, dp_rank=meshes.dp_rank, dp_world_size=meshes.dp_size, seed=cfg.seed
+    )
+    # Held-out loss every validation.every_n_steps (validation.path=null: none); read now, so a bad file fails early.
+    validator = Validator(
+        cfg.validation,
+        lambda path: held_out_batches(
+            path, cfg.dataset, tokenizer, meshes.dp_rank, meshes.dp_size, cfg.seed, split=cfg.validation.split
+        ),
+        dp_rank=meshes.dp_rank,
+        device=device,
+        output_dir=cfg.output_dir,
+        wandb_mode=cfg.wandb.mode,
     )
 
     # Resume from the newest complete checkpoint (sharded model/optimizer, schedule, data position, RNG).
@@ -97,6 +110,8 @@ def main(cfg: DictConfig) -> None:
             quant_stats.step()
 
         perf.log_step(step, step_loss, grad_norm, lr)
+        if validator.due(step):
+            validator.run(built.train_model, step)
         checkpointer.poll()  # finalise a finished background save without waiting for one
         if cfg.checkpoint.save_every and step % cfg.checkpoint.save_every == 0:
             checkpointer.save(step, model, optimizer, scheduler, dataloader)

@@ -27,6 +27,8 @@ from recipe_paths import config_name
 from scheduler import get_linear_schedule_with_warmup
 from torch.distributed.device_mesh import init_device_mesh
 from user_errors import MissingPackageError, UnsupportedHardwareError, check_config, report_user_errors
+from validation import Validator
+from validation_data import held_out_batches
 
 
 logger = logging.getLogger(__name__)
@@ -72,6 +74,23 @@ def main(cfg: DictConfig) -> None:
     dataloader = create_dataloader(
         cfg.dataset, tokenizer, dp_rank=dist_config.rank, dp_world_size=dist_config.world_size, seed=cfg.seed
     )
+    # Held-out loss every validation.every_n_steps (validation.path=null: none); read now, so a bad file fails early.
+    validator = Validator(
+        cfg.validation,
+        lambda path: held_out_batches(
+            path,
+            cfg.dataset,
+            tokenizer,
+            dist_config.rank,
+            dist_config.world_size,
+            cfg.seed,
+            split=cfg.validation.split,
+        ),
+        dp_rank=dist_config.rank,
+        device=device,
+        output_dir=cfg.output_dir,
+        wandb_mode=cfg.wandb.mode,
+    )
 
     checkpointer = Checkpointer(
         cfg.checkpoint.ckpt_dir,
@@ -113,6 +132,8 @@ def main(cfg: DictConfig) -> None:
             quant_stats.step()
 
         perf.log_step(step, step_loss, grad_norm, lr)
+        if validator.due(step):
+            validator.run(built.train_model, step)
         checkpointer.poll()
         if cfg.checkpoint.save_every and step % cfg.checkpoint.save_every == 0:
             checkpointer.save(step, model, optimizer, scheduler, dataloader)

@@ -19,13 +19,17 @@ from dataset import create_dataloader
 from grad_accumulation import count_targets
 from launch import RECIPE_DIR, assert_logs_read_well_off_a_terminal, run_script
 from model_families import family_of
+from omegaconf import OmegaConf
 from transformers import AutoConfig, AutoModelForMaskedLM, AutoTokenizer
+from validation import HeldOutBatches, Validator
+from validation_data import held_out_batches
 
 
 TINY_MODEL = (
     "+model_config_overrides={num_hidden_layers: 2, hidden_size: 64, intermediate_size: 256, num_attention_heads: 4}"
 )
-FAST = ["dataset.max_seq_length=128", "dataset.micro_batch_size=16", "dataset.token_budget=2048"]
+FAST_BATCHING = {"max_seq_length": 128, "micro_batch_size": 16, "token_budget": 2048}
+FAST = [f"dataset.{key}={value}" for key, value in FAST_BATCHING.items()]
 # Converges within 80 steps at this learning rate (about 3 s of training on one core).
 CONVERGE = [
     "num_train_steps=80",
@@ -36,6 +40,8 @@ CONVERGE = [
 ]
 # Below ~2.9 nats (the residue background entropy) a model must be using context: see scripts/make_sanity_dataset.py.
 LOSS_THRESHOLD = 2.85
+# Held-out loss at steps 40 and 80 on the shipped validation file (200 sequences; a few forward passes per rank).
+VALIDATE = ["validation.path=data/sanity_proteins_val.parquet", "validation.every_n_steps=40"]
 
 
 def train(script: str, output_dir: Path, *overrides: str, nproc: int | None = None) -> list[dict]:
@@ -101,6 +107,37 @@ def assert_export_reproduces_checkpoint(output_dir: Path, step: int) -> None:
         torch.testing.assert_close(exported(**batch).logits, reference(**batch).logits, rtol=1e-4, atol=1e-3)
 
 
+def assert_validation_is_the_exports_held_out_loss(
+    output_dir: Path, steps: list[int], batching: dict, input_format: str, cp_size: int = 1, rel: float = 1e-4
+) -> None:
+    """validation.jsonl holds ``steps``, the loss falls, and its last value is what one process computes on CPU for
+    the exported model on the same held-out batches (``batching``: the run's dataset settings; the seed is 42), where
+    the run's validation was split over ranks or context-parallel ranks, or ran on TE."""
+    records = [json.loads(line) for line in (output_dir / "validation.jsonl").read_text().splitlines()]
+    assert [r["step"] for r in records] == steps
+    assert records[-1]["val_loss"] < records[0]["val_loss"] < 3.3, records
+    data_cfg = {"path": "unused", "input_format": input_format, **batching}
+    tokenizer = AutoTokenizer.from_pretrained(RECIPE_DIR / "tokenizer")
+
+    def run_batches_whole(path: str) -> HeldOutBatches:
+        """The run's (CP-padded) batches, run whole: without the padded boundaries, which only CP accepts (they
+        equal the real ones: CP padding counts as part of its sequence)."""
+        data = held_out_batches(path, data_cfg, tokenizer, seed=42, cp_size=cp_size)
+        batches = [{k: v for k, v in b.items() if not k.endswith("_padded")} for b in data.read()]
+        return HeldOutBatches(lambda: batches, data.placeholder, causal_lm=False)
+
+    held_out = str(RECIPE_DIR / "data" / "sanity_proteins_val.parquet")
+    one_process = Validator(
+        OmegaConf.create({"path": held_out, "every_n_steps": 1, "max_batches": None}),
+        run_batches_whole,
+        dp_rank=0,
+        device=torch.device("cpu"),
+        output_dir=output_dir / "one_process",
+    ).run(load_export(output_dir), step=steps[-1])
+    assert one_process["val_tokens"] == records[-1]["val_tokens"]
+    assert one_process["val_loss"] == pytest.approx(records[-1]["val_loss"], rel=rel)
+
+
 def assert_converged(metrics: list[dict], steps: int, initial_loss_above: float = 3.0) -> None:
     assert metrics[0]["loss"] > initial_loss_above  # ESM-2 starts near ln(33) = 3.5
     assert metrics[-1]["step"] == steps
@@ -123,23 +160,38 @@ def assert_converged(metrics: list[dict], steps: int, initial_loss_above: float 
     ],
 )
 def test_l0_sanity_converges_and_exports(tmp_path, script, nproc, input_format):
+    """... and scores the held-out file: at L0_sanity's step 75, or on two processes every 40 steps (split over the
+    ranks), equal to one process's evaluation of the export."""
+    validate = VALIDATE if nproc else []
     metrics = train(
-        script, tmp_path, *CONVERGE, f"dataset.input_format={input_format}", "dataset.num_workers=0", nproc=nproc
+        script,
+        tmp_path,
+        *CONVERGE,
+        *validate,
+        f"dataset.input_format={input_format}",
+        "dataset.num_workers=0",
+        nproc=nproc,
     )
     assert_converged(metrics, steps=80)
     summary = json.loads((tmp_path / "summary.json").read_text())
     assert summary["world_size"] == (nproc or 1) and summary["steps"] == 80
     assert summary["median_tokens_per_second_per_gpu"] > 0
     assert_export_reproduces_checkpoint(tmp_path, step=80)
+    if validate:
+        assert_validation_is_the_exports_held_out_loss(tmp_path, [40, 80], FAST_BATCHING, input_format)
+    else:  # L0_sanity's own schedule: every 75 steps
+        assert [json.loads(line)["step"] for line in (tmp_path / "validation.jsonl").read_text().splitlines()] == [75]
 
 
 def test_context_parallel_on_two_cpu_processes_converges_and_exports(tmp_path):
     """train_cp.py with cp_size=2 (torch backend: all-gathered attention) learns and exports a loadable model.
-    The model tests prove CP numerically equal to one process; this proves the recipe's plumbing."""
-    run_script("train_cp.py", f"output_dir={tmp_path}", TINY_MODEL, *FAST, *CONVERGE, nproc=2)
+    The model tests prove CP numerically equal to one process; this proves the recipe's plumbing, validation included
+    (each CP rank runs its share of every held-out batch)."""
+    run_script("train_cp.py", f"output_dir={tmp_path}", TINY_MODEL, *FAST, *CONVERGE, *VALIDATE, nproc=2)
     metrics = read_metrics(tmp_path)
     assert_converged(metrics, steps=80)
     assert_export_reproduces_checkpoint(tmp_path, step=80)
+    assert_validation_is_the_exports_held_out_loss(tmp_path, [40, 80], FAST_BATCHING, "thd", cp_size=2)
 
 
 @pytest.mark.parametrize(

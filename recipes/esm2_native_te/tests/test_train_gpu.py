@@ -10,7 +10,18 @@ from pathlib import Path
 
 import pytest
 from launch import run_script
-from test_train import LOSS_THRESHOLD, assert_export_reproduces_checkpoint, read_metrics
+from test_train import (
+    LOSS_THRESHOLD,
+    assert_export_reproduces_checkpoint,
+    assert_validation_is_the_exports_held_out_loss,
+    read_metrics,
+)
+
+
+# L0_sanity's batching: its held-out file is scored at steps 50 and 100 (VALIDATE); the CPU evaluation of the export
+# must agree with the TE run's to bf16 precision.
+L0_BATCHING = {"max_seq_length": 128, "micro_batch_size": 8, "token_budget": 1024}
+VALIDATE = "validation.every_n_steps=50"
 
 
 def train_on_gpu(
@@ -66,11 +77,13 @@ def assert_learned(metrics: list[dict], threshold: float = LOSS_THRESHOLD, last_
     ],
 )
 def test_te_backend_learns_and_exports(tmp_path, script, overrides):
-    metrics = train_on_gpu(script, tmp_path, "+model_config_overrides.backend=te", *overrides)
+    metrics = train_on_gpu(script, tmp_path, "+model_config_overrides.backend=te", VALIDATE, *overrides)
     assert_learned(metrics)
     summary = json.loads((tmp_path / "summary.json").read_text())
     assert summary["peak_memory_gb"] > 0 and summary["median_mfu"] > 0
     assert_export_reproduces_checkpoint(tmp_path, step=100)
+    input_format = next(o.split("=")[1] for o in overrides if o.startswith("dataset.input_format="))
+    assert_validation_is_the_exports_held_out_loss(tmp_path, [50, 100], L0_BATCHING, input_format, rel=0.02)
 
 
 @pytest.mark.requires_te
@@ -160,18 +173,22 @@ def test_megatron_fsdp_learns_and_exports(tmp_path, fused_residual_norm):
         tmp_path,
         "dataset.input_format=thd",
         f"+model_config_overrides.fused_residual_norm={str(fused_residual_norm).lower()}",
+        VALIDATE,
         nproc=1,
     )
     assert_learned(metrics)
     assert_export_reproduces_checkpoint(tmp_path, step=100)
+    assert_validation_is_the_exports_held_out_loss(tmp_path, [50, 100], L0_BATCHING, "thd", rel=0.02)
 
 
 @pytest.mark.requires_multi_gpu
 @pytest.mark.requires_te
 def test_context_parallel_learns_and_exports(tmp_path):
-    metrics = train_on_gpu("train_cp.py", tmp_path, nproc=2, config_name="L0_sanity_cp")
+    metrics = train_on_gpu("train_cp.py", tmp_path, VALIDATE, nproc=2, config_name="L0_sanity_cp")
     assert_learned(metrics)
     assert_export_reproduces_checkpoint(tmp_path, step=100)
+    cp_batching = {"max_seq_length": 256, "micro_batch_size": 8, "token_budget": 4096}  # L0_sanity_cp's
+    assert_validation_is_the_exports_held_out_loss(tmp_path, [50, 100], cp_batching, "thd", cp_size=2, rel=0.02)
 
 
 @pytest.mark.requires_multi_gpu

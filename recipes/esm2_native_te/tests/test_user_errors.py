@@ -1,11 +1,11 @@
 """User errors end with one line that names the problem and the fix, exit status 2, no traceback, nothing lost.
 
-Each case runs the script with the command line a user types and provokes one mistake: a missing or empty data file,
-a wrong column, residues outside the alphabet (found in a data-loader worker), a misspelled key, a value of the wrong
-type, FP8 on a machine without it, Megatron-FSDP without GPUs, resuming a checkpoint with another model shape,
-fine-tuning from an export with a file missing. The script runs as ``__main__`` inside the test process (a new
-interpreter would spend ~10 s importing torch for a run that fails in a second), except where the mistake is about the
-hardware: those runs need a process whose GPUs are hidden.
+Each case runs the script with the command line a user types and provokes one mistake: a missing or empty data file
+(or a missing held-out file), a wrong column, residues outside the alphabet (found in a data-loader worker), a
+misspelled key, a value of the wrong type, FP8 on a machine without it, Megatron-FSDP without GPUs, resuming a
+checkpoint with another model shape, fine-tuning from an export with a file missing. The script runs as ``__main__``
+inside the test process (a new interpreter would spend ~10 s importing torch for a run that fails in a second), except
+where the mistake is about the hardware: those runs need a process whose GPUs are hidden.
 """
 
 import json
@@ -66,6 +66,12 @@ def test_residues_outside_the_alphabet_from_a_loader_worker(tmp_path):
     (tmp_path / "proteins.fasta").write_text(">p1\nMKTAYIAKQR\n>p2\nMKTA1YIAK#\n")
     result = fail("train_ddp.py", tmp_path, f"dataset.path={tmp_path / 'proteins.fasta'}")
     assert_user_error(result, "are not residues of the tokenizer", "invalid_residue_policy")
+
+
+def test_missing_validation_file_fails_before_training(tmp_path):
+    result = fail("train_fsdp2.py", tmp_path, "validation.path=/no/such/held_out.fasta")
+    assert_user_error(result, "'/no/such/held_out.fasta' matches no file", "point validation.path at")
+    assert not (tmp_path / "run" / "metrics.jsonl").exists()  # not a single step trained
 
 
 # ---------------------------------------------------------------------------------------------------- config
