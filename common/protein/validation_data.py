@@ -20,24 +20,9 @@ from dataset import (
     resolve_data_config,
     tokenize_dataset,
 )
+from epoch_batch_sampler import batches_in_order
 from user_errors import ConfigError
 from validation import HeldOutBatches
-
-
-def _groups(rows: np.ndarray, lengths: np.ndarray, cfg: dict) -> list[np.ndarray]:
-    """``rows`` cut into batches in order: ``micro_batch_size`` rows (BSHD) or as many as fit ``token_budget`` (THD)."""
-    if cfg["input_format"] == "bshd":
-        size = cfg["micro_batch_size"]
-        return [rows[i : i + size] for i in range(0, len(rows), size)]
-    groups, start, used = [], 0, 0
-    for end, row in enumerate(rows):
-        if used + lengths[row] > cfg["token_budget"] and end > start:
-            groups.append(rows[start:end])
-            start, used = end, 0
-        used += lengths[row]
-    if start < len(rows):
-        groups.append(rows[start:])
-    return groups
 
 
 def held_out_batches(
@@ -66,15 +51,12 @@ def held_out_batches(
 
     segment_multiple = 2 * cp_size if cp_size > 1 else 1
     lengths = round_up(ds.data.column("length").to_numpy(), segment_multiple)
-    if cfg["input_format"] == "thd" and lengths[usable].max() > cfg["token_budget"]:
-        raise ConfigError(
-            f"validation.path {path!r}: a sequence of {lengths[usable].max()} tokens > dataset.token_budget "
-            f"{cfg['token_budget']}"
-        )
-    groups = _groups(usable[dp_rank::dp_world_size], lengths, cfg)
+    thd = cfg["input_format"] == "thd"
+    batching = {"token_budget": cfg["token_budget"]} if thd else {"micro_batch_size": cfg["micro_batch_size"]}
+    groups = batches_in_order(usable[dp_rank::dp_world_size], lengths, **batching)
     rows = TokenizedRows(ds)
     masker = MLMMasker.from_tokenizer(tokenizer, seed=seed, mlm_probability=cfg["mlm_probability"])
-    collator_cls = THDCollator if cfg["input_format"] == "thd" else BSHDCollator
+    collator_cls = THDCollator if thd else BSHDCollator
     collate = collator_cls(masker, tokenizer.pad_token_id, cfg["pad_to_multiple_of"], cp_size)
 
     def read():

@@ -6,6 +6,7 @@ dataset of the recipes is read (protein sequences, Geneformer cells, codon seque
 ``state_dict()`` is the position at a batch boundary, so a resumed loader yields the same batches as an uninterrupted
 one. A run resumed on another number of data-parallel ranks continues the epoch instead of starting it again
 (``continue_from``): the rows that the earlier ranks had not read yet are dealt out to the new ranks.
+``batches_in_order`` cuts held-out rows into batches by the same rule, in one ordered pass.
 """
 
 import numpy as np
@@ -141,17 +142,7 @@ class EpochBatchSampler:
         return order
 
     def _batch_end(self, order: np.ndarray, start: int) -> int:
-        if self.token_budget is None:
-            return min(start + self.micro_batch_size, len(order))
-        end, total = start, 0
-        while end < len(order) and total + self.lengths[order[end]] <= self.token_budget:
-            total += self.lengths[order[end]]
-            end += 1
-        if end == start:
-            raise ConfigError(
-                f"row {order[start]} has {self.lengths[order[start]]} tokens > token_budget; raise dataset.token_budget"
-            )
-        return end
+        return _batch_end(order, start, self.lengths, self.micro_batch_size, self.token_budget)
 
     def __iter__(self):
         while True:
@@ -160,3 +151,34 @@ class EpochBatchSampler:
                 start, self.consumed = self.consumed, self._batch_end(order, self.consumed)
                 yield [(self.epoch, int(row)) for row in order[start : self.consumed]]
             self.epoch, self.consumed = self.epoch + 1, 0
+
+
+def _batch_end(order: np.ndarray, start: int, lengths, micro_batch_size: int | None, token_budget: int | None) -> int:
+    """Where the batch that starts at ``order[start]`` ends: ``micro_batch_size`` rows, or as many as fit
+    ``token_budget`` by ``lengths``."""
+    if token_budget is None:
+        return min(start + micro_batch_size, len(order))
+    end, total = start, 0
+    while end < len(order) and total + lengths[order[end]] <= token_budget:
+        total += lengths[order[end]]
+        end += 1
+    if end == start:
+        raise ConfigError(
+            f"row {order[start]} has {lengths[order[start]]} tokens > token_budget; raise dataset.token_budget"
+        )
+    return end
+
+
+def batches_in_order(rows, lengths=None, *, micro_batch_size=None, token_budget=None) -> list[np.ndarray]:
+    """``rows`` cut into batches in their own order by the sampler's rule, every row once (nothing dropped): one pass
+    over held-out data."""
+    if (micro_batch_size is None) == (token_budget is None):
+        raise ConfigError("give exactly one of micro_batch_size and token_budget")
+    rows = np.asarray(rows, dtype=np.int64)
+    lengths = None if lengths is None else np.asarray(lengths, dtype=np.int64)
+    batches, start = [], 0
+    while start < len(rows):
+        end = _batch_end(rows, start, lengths, micro_batch_size, token_budget)
+        batches.append(rows[start:end])
+        start = end
+    return batches

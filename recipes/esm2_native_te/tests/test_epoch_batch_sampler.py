@@ -1,6 +1,6 @@
 # Copied from common/tests/test_epoch_batch_sampler.py — edit the source, then run ci/check_copies.py --fix
 """epoch_batch_sampler.EpochBatchSampler: the order of map-style data, its exact resume, and a resume on another
-number of data-parallel ranks that continues the epoch.
+number of data-parallel ranks that continues the epoch; batches_in_order, one ordered pass over held-out rows.
 
 References are independent of the code under test: torch's own ``DistributedSampler`` for the order, and plain set
 arithmetic over the rows each rank was handed for "every row of an epoch once".
@@ -10,7 +10,7 @@ import itertools
 
 import numpy as np
 import pytest
-from epoch_batch_sampler import EpochBatchSampler
+from epoch_batch_sampler import EpochBatchSampler, batches_in_order
 from torch.utils.data.distributed import DistributedSampler
 
 
@@ -177,3 +177,20 @@ def test_states_that_cannot_be_continued_say_why():
     disagreeing[1]["consumed"] += 3
     with pytest.raises(ValueError, match="different positions"):
         sampler(0, 1).continue_from([*disagreeing, states[1]])
+
+
+@pytest.mark.parametrize("batching", [{"micro_batch_size": 4}, {"token_budget": 100}])
+def test_batches_in_order_hold_every_row_once_in_order(batching):
+    batches = batches_in_order(ROWS, LENGTHS, **batching)
+    assert np.concatenate(batches).tolist() == ROWS.tolist()  # nothing dropped, nothing reordered
+    if "micro_batch_size" in batching:
+        assert [len(b) for b in batches] == [4] * (len(ROWS) // 4) + [len(ROWS) % 4]
+    else:  # greedy: each batch fits the budget, and the next row would not have
+        assert all(LENGTHS[b].sum() <= 100 for b in batches)
+        assert all(LENGTHS[a].sum() + LENGTHS[b[0]] > 100 for a, b in itertools.pairwise(batches))
+    assert batches_in_order(ROWS[:0], LENGTHS, **batching) == []
+
+
+def test_batches_in_order_refuse_a_row_longer_than_the_budget():
+    with pytest.raises(ValueError, match="row 101 has 80 tokens > token_budget"):
+        batches_in_order([100, 101], np.array([0] * 100 + [10, 80]), token_budget=50)
