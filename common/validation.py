@@ -95,6 +95,8 @@ class Validator:
         if self.path is None:
             self.data = None
             return
+        if not str(self.path).strip():
+            raise ConfigError("validation.path is empty; give a held-out file, glob or directory, or null for none")
         if self.every_n_steps < 1:
             raise ConfigError(
                 f"validation.every_n_steps must be >= 1 when validation.path is set, got {self.every_n_steps}"

@@ -1,7 +1,8 @@
 """DNA sequences for Llama causal-LM pre-training: read, tokenize, cut into windows, split per rank, batch, resume.
 
 ``create_dataloader(data_cfg, tokenizer, dp_rank, dp_world_size, seed)`` is the entry point; ``data_cfg`` holds the
-keys of the ``dataset:`` group in ``hydra_config/defaults.yaml`` (unknown keys are an error).
+keys of the ``dataset:`` group in ``hydra_config/defaults.yaml`` (unknown keys are an error). ``held_out_batches``
+gives ``validation.Validator`` the batches of a held-out file, windowed and labelled the same way.
 
 Sources: FASTA (``.fa``, ``.fasta``, ``.fna``, optionally ``.gz``), Parquet, or JSON lines (``.jsonl``, ``.jsonl.gz``)
 with the sequence in ``sequence_column``; a path may be a file, a directory or a glob. Every sequence is tokenized
@@ -34,6 +35,7 @@ from context_parallel import context_parallel_batch
 from sequence_windows import window_starts
 from torchdata.stateful_dataloader import StatefulDataLoader
 from user_errors import ConfigError, PathNotFoundError
+from validation import HeldOutBatches
 
 
 logger = logging.getLogger(__name__)
@@ -60,7 +62,7 @@ DEFAULTS = {
 # ---------------------------------------------------------------------------------------------- reading sources
 
 
-def _resolve_files(path: str) -> list[Path]:
+def _resolve_files(path: str, key: str = "dataset.path") -> list[Path]:
     if any(ch in path for ch in "*?["):
         files = sorted(Path(p) for p in glob.glob(path))
     elif Path(path).is_dir():
@@ -70,13 +72,20 @@ def _resolve_files(path: str) -> list[Path]:
     missing = [str(f) for f in files if not f.is_file()]
     if not files or missing:
         raise PathNotFoundError(
-            f"dataset.path={path!r}: no such file(s): {missing or path}; point dataset.path at a FASTA, Parquet or "
-            "JSONL file, a directory or a glob"
+            f"{key}={path!r}: no such file(s): {missing or path}; point {key} at a FASTA, Parquet or JSONL file, a "
+            "directory or a glob"
         )
     return files
 
 
-def _file_format(file: Path, fmt: str) -> str:
+def _format_fix(key: str) -> str:
+    """How to tell the reader a file's format: the training data has dataset.format; held-out files go by their name."""
+    if key == "dataset.path":
+        return "set dataset.format to fasta, parquet or jsonl"
+    return "name it .fa/.fasta/.fna, .parquet or .jsonl (optionally .gz): its format is read from the name"
+
+
+def _file_format(file: Path, fmt: str, key: str = "dataset.path") -> str:
     if fmt != "auto":
         return fmt
     name = file.name.lower().removesuffix(".gz")
@@ -86,7 +95,7 @@ def _file_format(file: Path, fmt: str) -> str:
         return "parquet"
     if name.endswith((".jsonl", ".json")):
         return "jsonl"
-    raise ConfigError(f"cannot tell the format of {file}; set dataset.format to fasta, parquet or jsonl")
+    raise ConfigError(f"cannot tell the format of {file}; {_format_fix(key)}")
 
 
 def _open_text(file: Path):
@@ -133,22 +142,27 @@ def _read_column(file: Path, fmt: str, column: str) -> list[str]:
 
 
 def read_sequences(
-    path: str, fmt: str = "auto", sequence_column: str = "sequence", strip_whitespace: bool = True
+    path: str,
+    fmt: str = "auto",
+    sequence_column: str = "sequence",
+    strip_whitespace: bool = True,
+    key: str = "dataset.path",
 ) -> list[str]:
     """Every sequence in ``path`` (file, directory or glob); empty sequences are an error.
 
     ``strip_whitespace`` removes line breaks and spaces inside a sequence (DNA); keep it off for natural language.
+    ``key`` is the config key that gave the path, for error messages.
     """
     if fmt not in ("auto", "fasta", "parquet", "jsonl"):
         raise ConfigError(f"dataset.format must be auto, fasta, parquet or jsonl, got {fmt!r}")
     sequences = []
-    for file in _resolve_files(path):
-        kind = _file_format(file, fmt)
+    for file in _resolve_files(path, key):
+        kind = _file_format(file, fmt, key)
         try:
             found = _read_fasta(file) if kind == "fasta" else _read_column(file, kind, sequence_column)
         except (OSError, EOFError, UnicodeDecodeError, pa.ArrowException) as error:  # truncated gzip, not Parquet, ...
             raise ConfigError(
-                f"{file}: cannot be read as {kind} ({error}); check the file or set dataset.format"
+                f"{file}: cannot be read as {kind} ({error}); check the file, or {_format_fix(key)}"
             ) from None
         for index, sequence in enumerate(found):
             if not isinstance(sequence, str) or not sequence.strip():
@@ -157,7 +171,7 @@ def read_sequences(
                 )
         sequences += ["".join(s.split()) for s in found] if strip_whitespace else found
     if not sequences:
-        raise ConfigError(f"dataset.path={path!r} holds no sequences (empty files?); point it at files with sequences")
+        raise ConfigError(f"{key}={path!r} holds no sequences (empty files?); point it at files with sequences")
     return sequences
 
 
@@ -302,3 +316,45 @@ def create_dataloader(
             pin_memory=torch.cuda.is_available(),
             persistent_workers=cfg["num_workers"] > 0,
         )
+
+
+def held_out_batches(
+    path: str, data_cfg: Any, tokenizer, dp_rank: int = 0, dp_world_size: int = 1, cp_size: int = 1
+) -> HeldOutBatches:
+    """This rank's validation batches of ``path`` for ``validation.Validator``, with the training windows and labels.
+
+    The file is read and tokenized once, here, so a missing or unreadable ``validation.path`` stops the run before it
+    trains (its format comes from its name: a held-out FASTA may sit beside Parquet training data). Rank r of n scores
+    windows r, r + n, ... in file order. Windows are never split over two batches (a split window's tail would lose
+    its context and the score of its first token), so every window is scored as the model sees it alone.
+    """
+    cfg = validate_data_config({**dict(data_cfg), "path": path, "format": "auto"})
+    sequences = read_sequences(path, "auto", cfg["sequence_column"], cfg["strip_whitespace"], key="validation.path")
+    tokens = tokenize(sequences, tokenizer)
+    length, overlap = cfg["max_seq_length"], cfg["window_overlap"]
+    windows = [seq[start : start + length] for seq in tokens for start in window_starts(len(seq), length, overlap)]
+    mine = windows[dp_rank::dp_world_size]
+    labels, pad = LabelMaker(tokenizer, cfg["uppercase_labels"], cfg["mask_degenerate_bases"]), pad_token_id(tokenizer)
+
+    def collate(group: list[np.ndarray]) -> dict:
+        if cfg["input_format"] == "bshd":
+            return collate_bshd(group, labels, pad)
+        batch = collate_thd(group, labels, length)
+        return batch if cp_size == 1 else context_parallel_batch(batch, cp_size, pad)
+
+    if cfg["input_format"] == "thd":
+        groups = list(pack_windows(mine, max(cfg["token_budget"], length), split_samples=False))
+    else:
+        groups = [mine[i : i + cfg["micro_batch_size"]] for i in range(0, len(mine), cfg["micro_batch_size"])]
+    # <bos><eos>, nothing scored: what a rank without validation windows runs so that collectives line up.
+    placeholder = collate([np.array([tokenizer.bos_token_id, tokenizer.eos_token_id], dtype=np.int64)])
+    for key in ("labels", "shift_labels"):
+        if key in placeholder:
+            placeholder[key].fill_(-100)
+    return HeldOutBatches(
+        read=lambda: (collate(group) for group in groups),
+        placeholder=placeholder,
+        causal_lm=True,
+        description=f"{len(sequences)} sequence(s) of {path}, {len(windows)} windows of <= {length} tokens; "
+        f"data-parallel rank {dp_rank} of {dp_world_size} scores {len(mine)} of them in {len(groups)} batch(es)",
+    )

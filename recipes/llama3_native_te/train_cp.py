@@ -19,7 +19,7 @@ from adamw import build_adamw
 from checkpoint import Checkpointer, export_final_model, gather_full_state_dict
 from collator import pad_token_id
 from context_parallel import shard_for_context_parallel
-from dataset import create_dataloader
+from dataset import create_dataloader, held_out_batches
 from distributed import build_meshes, cleanup_distributed, move_to_device, setup_distributed
 from grad_accumulation import count_targets, token_weights
 from model_setup import build_model
@@ -29,6 +29,7 @@ from recipe_paths import config_name, tokenizer_source
 from scheduler import get_linear_schedule_with_warmup
 from transformers import AutoTokenizer
 from user_errors import ConfigError, check_config, report_user_errors
+from validation import Validator
 
 
 logger = logging.getLogger(__name__)
@@ -65,6 +66,17 @@ def main(cfg: DictConfig) -> None:
         cp_size=cfg.cp_size,
     )
     cp_rank = meshes.cp.get_local_rank()
+    # Held-out loss every validation.every_n_steps (validation.path=null: none); read now, so a bad file fails early.
+    validator = Validator(
+        cfg.validation,
+        lambda path: held_out_batches(path, cfg.dataset, tokenizer, meshes.dp_rank, meshes.dp_size, cfg.cp_size),
+        dp_rank=meshes.dp_rank,
+        device=device,
+        output_dir=cfg.output_dir,
+        wandb_mode=cfg.wandb.mode,
+        cp_size=cfg.cp_size,
+        cp_rank=cp_rank,
+    )
 
     checkpointer = Checkpointer(
         cfg.checkpoint.ckpt_dir,
@@ -107,6 +119,8 @@ def main(cfg: DictConfig) -> None:
             optimizer.zero_grad(set_to_none=True)
 
         perf.log_step(step, step_loss, grad_norm, lr)
+        if validator.due(step):
+            validator.run(built.train_model, step)
         checkpointer.poll()
         if cfg.checkpoint.save_every and step % cfg.checkpoint.save_every == 0:
             checkpointer.save(step, model, optimizer, scheduler, dataloader)

@@ -63,6 +63,8 @@ def test_l0_configs_are_complete_and_use_shipped_data(name):
     cfg = _compose(name, ["output_dir=unused"])
     assert not [key for key in ("model_tag", "num_train_steps", "dataset.path") if OmegaConf.is_missing(cfg, key)]
     assert (RECIPE_DIR / cfg.dataset.path).is_file()
+    if name.startswith("L0_sanity"):  # held-out sequences of the same chain, scored during the run
+        assert (RECIPE_DIR / cfg.validation.path).is_file() and cfg.validation.path != cfg.dataset.path
 
 
 @pytest.mark.parametrize("name", ["L1_1B_perf", "L1_8B_perf", "L2_lingua_1b"])

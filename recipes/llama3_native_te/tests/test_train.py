@@ -1,9 +1,10 @@
 """End-to-end runs of the training scripts on CPU, launched the way a user launches them.
 
-The tiny Llama (2 layers, hidden 128) trains on the shipped synthetic DNA. References are independent of the code
-under test: the loss must fall below ln 4 ~ 1.39 nats (independent bases; lower needs context), gradient
-accumulation must equal one larger batch, an interrupted run must match an uninterrupted one, and the export must
-give the logits of the weights the checkpoint holds.
+The tiny Llama (2 layers, hidden 128) trains on the shipped synthetic DNA and validates on held-out sequences of the
+same chain (``data/sanity_dna_valid.fasta``). References are independent of the code under test: the training and
+validation losses must fall below ln 4 ~ 1.39 nats (independent bases; lower needs context), gradient accumulation
+must equal one larger batch, an interrupted run must match an uninterrupted one, and the export must give the logits
+of the weights the checkpoint holds.
 """
 
 import json
@@ -12,10 +13,12 @@ from pathlib import Path
 import numpy as np
 import pytest
 import torch
-from launch import assert_logs_read_well_off_a_terminal, run_script
+from dataset import held_out_batches, read_sequences
+from grad_accumulation import count_targets
+from launch import RECIPE_DIR, assert_logs_read_well_off_a_terminal, run_script
 from modeling_llama_te import NVLlamaConfig, NVLlamaForCausalLM
 from safetensors.torch import load_file
-from transformers import AutoConfig, AutoModelForCausalLM
+from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
 
 
 FAST = [
@@ -25,7 +28,7 @@ FAST = [
     "lr_scheduler_kwargs.num_decay_steps=70",
     "logger.log_every=10",
 ]
-LOSS_THRESHOLD = 1.0  # ln 4 = 1.386 for independent bases; the chain's entropy rate is ~0.59
+LOSS_THRESHOLD = 1.0  # ln 4 = 1.386 for independent bases; the chain's entropy rate is ~0.475
 
 
 def train(script: str, output_dir: Path, *overrides: str, nproc: int | None = None) -> list[dict]:
@@ -34,18 +37,28 @@ def train(script: str, output_dir: Path, *overrides: str, nproc: int | None = No
     return read_metrics(output_dir)
 
 
-def read_metrics(output_dir: Path) -> list[dict]:
-    return [json.loads(line) for line in (output_dir / "metrics.jsonl").read_text().splitlines()]
+def read_metrics(output_dir: Path, name: str = "metrics.jsonl") -> list[dict]:
+    return [json.loads(line) for line in (output_dir / name).read_text().splitlines()]
+
+
+def assert_validation_learns(output_dir: Path, steps: list[int]) -> list[dict]:
+    """validation.jsonl holds the expected steps, its loss falls below the independent-bases bound."""
+    validation = read_metrics(output_dir, "validation.jsonl")
+    assert [v["step"] for v in validation] == steps, validation
+    assert validation[-1]["val_loss"] < min(LOSS_THRESHOLD, validation[0]["val_loss"]), validation
+    assert validation[-1]["val_perplexity"] == pytest.approx(np.exp(validation[-1]["val_loss"]))
+    return validation
 
 
 def exported_weights(output_dir: Path) -> dict[str, torch.Tensor]:
     return load_file(output_dir / "final_model" / "model.safetensors")
 
 
-def test_ddp_one_process_learns_and_export_reloads(tmp_path):
-    metrics = train("train_ddp.py", tmp_path, "num_train_steps=80")
+def test_ddp_one_process_learns_validates_and_export_reloads(tmp_path):
+    metrics = train("train_ddp.py", tmp_path, "num_train_steps=80", "validation.every_n_steps=40")
     assert metrics[0]["loss"] > 3.0  # ln(256) ~ 5.5 at random init
     assert metrics[-1]["step"] == 80 and metrics[-1]["loss"] < LOSS_THRESHOLD, metrics
+    assert_validation_learns(tmp_path, [40, 80])
 
     # The export, loaded the way a user does, gives the logits of the weights the checkpoint holds.
     export_dir = tmp_path / "final_model"
@@ -69,9 +82,22 @@ def test_ddp_one_process_learns_and_export_reloads(tmp_path):
 
 
 @pytest.mark.parametrize("script", ["train_ddp.py", "train_fsdp2.py"])
-def test_two_processes_learn(tmp_path, script):
-    metrics = train(script, tmp_path, "num_train_steps=80", "export_final_model=false", nproc=2)
+def test_two_processes_learn_and_validate(tmp_path, script):
+    """The held-out file plus one short sequence: rank 0 gets one batch more than rank 1, which repeats one with weight
+    0 (FSDP2 gathers weights in every forward, so both must run as many); together they score every window once."""
+    valid = tmp_path / "valid.fasta"
+    extra = read_sequences(str(RECIPE_DIR / "data/sanity_dna_valid.fasta"))[0][:100]
+    valid.write_text((RECIPE_DIR / "data/sanity_dna_valid.fasta").read_text() + f">extra\n{extra}\n")
+    data_cfg = {"max_seq_length": 128, "window_overlap": 0, "token_budget": 1024}  # FAST on top of L0_sanity
+    tokenizer = AutoTokenizer.from_pretrained(RECIPE_DIR / "tokenizer")
+    rank_batches = [len(list(held_out_batches(str(valid), data_cfg, tokenizer, r, 2).read())) for r in (0, 1)]
+    assert rank_batches[0] == rank_batches[1] + 1
+    scored = sum(count_targets(b, causal_lm=True) for b in held_out_batches(str(valid), data_cfg, tokenizer).read())
+
+    overrides = ["num_train_steps=80", f"validation.path={valid}", "validation.every_n_steps=40"]
+    metrics = train(script, tmp_path, *overrides, "export_final_model=false", nproc=2)
     assert metrics[-1]["step"] == 80 and metrics[-1]["loss"] < LOSS_THRESHOLD, metrics
+    assert [v["val_tokens"] for v in assert_validation_learns(tmp_path, [40, 80])] == [scored, scored]
 
 
 @pytest.mark.parametrize("script", ["train_ddp.py", "train_fsdp2.py"])
@@ -109,11 +135,15 @@ def test_grad_accumulation_equals_one_larger_batch(tmp_path, script):
 def test_stop_and_go_matches_an_uninterrupted_run(tmp_path, script, nproc):
     """Packed batches split windows over batch boundaries: the resumed run must start mid-window, exactly."""
     overrides = ["dataset.token_budget=500", "lr_scheduler_kwargs.num_warmup_steps=2", "logger.log_every=1"]
+    overrides += ["validation.every_n_steps=4", "validation.max_batches=2"]
     straight = train(script, tmp_path / "straight", "num_train_steps=8", *overrides, nproc=nproc)
     train(script, tmp_path / "resumed", "num_train_steps=4", "export_final_model=false", *overrides, nproc=nproc)
     resumed = train(script, tmp_path / "resumed", "num_train_steps=8", *overrides, nproc=nproc)
     assert [m["step"] for m in resumed] == list(range(1, 9))  # metrics.jsonl is appended to
     assert [m["loss"] for m in resumed[4:]] == pytest.approx([m["loss"] for m in straight[4:]], rel=1e-6, abs=1e-7)
+    validation = [read_metrics(tmp_path / run, "validation.jsonl") for run in ("straight", "resumed")]
+    assert [v["step"] for v in validation[1]] == [v["step"] for v in validation[0]] == [4, 8]
+    assert [v["val_loss"] for v in validation[1]] == pytest.approx([v["val_loss"] for v in validation[0]], rel=1e-6)
     for key, value in exported_weights(tmp_path / "straight").items():
         torch.testing.assert_close(exported_weights(tmp_path / "resumed")[key], value, rtol=1e-6, atol=1e-7)
 
@@ -130,12 +160,14 @@ def test_missing_required_value_fails_by_name(tmp_path):
 
 def test_context_parallel_run_equals_a_one_process_run(tmp_path):
     """cp_size=2 on 2 processes (torch backend, dp=1) trains on the same windows as train_fsdp2.py in one process, and
-    context parallelism must not change the arithmetic: per-step losses, gradient norms and the final weights agree.
-    Weights are built before sharding (no meta device) so both runs start from the same initialisation."""
+    context parallelism must not change the arithmetic: per-step losses, gradient norms, the validation loss (full
+    context-parallel batches, each rank scoring its share) and the final weights agree. Weights are built before
+    sharding (no meta device) so both runs start from the same initialisation."""
     common = [
         "num_train_steps=6",
         "logger.log_every=1",
         "lr_scheduler_kwargs.num_warmup_steps=2",
+        "validation.every_n_steps=3",
         "fsdp.use_meta_device=false",
         "dataset.max_seq_length=200",
         "dataset.token_budget=700",  # windows split over batches, pieces of uneven length (CP pads each to 4k)
@@ -144,16 +176,22 @@ def test_context_parallel_run_equals_a_one_process_run(tmp_path):
     cp = train("train_cp.py", tmp_path / "cp", "cp_size=2", *common, nproc=2)  # its default config: L0_sanity_cp
     assert [m["loss"] for m in cp] == pytest.approx([m["loss"] for m in single], rel=1e-4)
     assert [m["grad_norm"] for m in cp] == pytest.approx([m["grad_norm"] for m in single], rel=1e-3)
+    single_val, cp_val = (read_metrics(tmp_path / run, "validation.jsonl") for run in ("single", "cp"))
+    assert [(v["step"], v["val_tokens"]) for v in cp_val] == [(v["step"], v["val_tokens"]) for v in single_val]
+    assert [v["val_loss"] for v in cp_val] == pytest.approx([v["val_loss"] for v in single_val], rel=1e-4)
+    assert [v["step"] for v in cp_val] == [3, 6] and cp_val[1]["val_loss"] < cp_val[0]["val_loss"]
     for key, value in exported_weights(tmp_path / "single").items():
         torch.testing.assert_close(exported_weights(tmp_path / "cp")[key], value, rtol=1e-3, atol=1e-5)
 
 
 def test_context_parallel_learns_and_resumes_exactly(tmp_path):
-    """L0_sanity_cp on 2 CPU processes: the loss falls below the independent-bases bound, and a run stopped at step 4
-    and resumed matches the uninterrupted one."""
+    """L0_sanity_cp on 2 CPU processes: the training and validation losses fall below the independent-bases bound,
+    and a run stopped at step 4 and resumed matches the uninterrupted one."""
     overrides = ["dataset.token_budget=512", "logger.log_every=1"]
     straight = train("train_cp.py", tmp_path / "straight", "num_train_steps=60", *overrides, nproc=2)
     assert straight[-1]["loss"] < LOSS_THRESHOLD, straight[-1]
+    validation = read_metrics(tmp_path / "straight", "validation.jsonl")  # every 50 steps, as L0_sanity says
+    assert [v["step"] for v in validation] == [50] and validation[0]["val_loss"] < LOSS_THRESHOLD, validation
     train(
         "train_cp.py",
         tmp_path / "resumed",

@@ -1,11 +1,12 @@
 """User errors end with one line that names the problem and the fix, exit status 2, no traceback, nothing lost.
 
 Each case runs the script with the command line a user types and provokes one mistake: a missing or empty data file,
-a wrong column, a misspelled key, a value of the wrong type, an unknown config, FP8 on a machine without it, a cp_size
-that does not divide the world size, resuming a checkpoint with another model shape or strategy, an export with a file
-missing. ``HYDRA_FULL_ERROR=1`` brings the traceback back. The script runs as ``__main__`` inside the test process (a
-new interpreter would spend ~10 s importing torch for a run that fails in a second), except where the mistake is about
-the hardware (those runs need a process whose GPUs are hidden) or needs torchrun.
+a missing validation file or a validation schedule of 0 steps, a wrong column, a misspelled key, a value of the wrong
+type, an unknown config, FP8 on a machine without it, a cp_size that does not divide the world size, resuming a
+checkpoint with another model shape or strategy, an export with a file missing. ``HYDRA_FULL_ERROR=1`` brings the
+traceback back. The script runs as ``__main__`` inside the test process (a new interpreter would spend ~10 s importing
+torch for a run that fails in a second), except where the mistake is about the hardware (those runs need a process
+whose GPUs are hidden) or needs torchrun.
 """
 
 import json
@@ -65,6 +66,19 @@ def test_malformed_jsonl_names_file_and_line(tmp_path):
     (tmp_path / "genomes.jsonl").write_text(json.dumps({"sequence": "ACGT" * 40}) + "\n{oops\n")
     result = fail("train_ddp.py", tmp_path, f"dataset.path={tmp_path / 'genomes.jsonl'}")
     assert_user_error(result, "genomes.jsonl:2: not a JSON object")
+
+
+def test_missing_validation_path(tmp_path):
+    """Found when the run starts, not at the first evaluation, and named by its own key."""
+    result = fail("train_ddp.py", tmp_path, "validation.path=/no/such.fasta")
+    last = assert_user_error(result, "validation.path='/no/such.fasta'", "no such file", "point validation.path at")
+    assert "dataset.path" not in last
+    assert not (tmp_path / "run" / "metrics.jsonl").exists()
+
+
+def test_validation_every_zero_steps(tmp_path):
+    result = fail("train_ddp.py", tmp_path, "validation.every_n_steps=0")
+    assert_user_error(result, "validation.every_n_steps must be >= 1 when validation.path is set, got 0")
 
 
 # ---------------------------------------------------------------------------------------------------- config
