@@ -8,8 +8,16 @@ import json
 from pathlib import Path
 
 import pytest
-from launch import run_script
-from test_train import FAST, LOSS_THRESHOLD, read_metrics
+import torch
+from dataset import held_out_batches
+from launch import RECIPE_DIR, run_script
+from omegaconf import OmegaConf
+from test_train import FAST, LOSS_THRESHOLD, assert_validation_learns, read_metrics
+from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
+from validation import Validator
+
+
+VALIDATE = "validation.every_n_steps=40"  # L0_sanity's held-out file at steps 40 and 80
 
 
 def train_on_gpu(script: str, output_dir: Path, *overrides: str, nproc: int | None = None) -> list[dict]:
@@ -21,6 +29,28 @@ def train_on_gpu(script: str, output_dir: Path, *overrides: str, nproc: int | No
 
 def assert_learned(metrics: list[dict], threshold: float = LOSS_THRESHOLD) -> None:
     assert metrics[-1]["loss"] < threshold, [round(m["loss"], 3) for m in metrics]
+
+
+def assert_validation_is_the_exports(output_dir: Path, input_format: str, micro_batch_size: int = 1) -> None:
+    """The TE run's last validation loss is what one process on CPU computes for its export (torch backend, fp32)
+    on the same held-out windows, to bf16 precision."""
+    last = read_metrics(output_dir, "validation.jsonl")[-1]
+    data_cfg = {"path": "unused", "max_seq_length": 128, "window_overlap": 0, "token_budget": 1024}
+    data_cfg.update(input_format=input_format, micro_batch_size=micro_batch_size)  # the runs' settings (L0 + FAST)
+    tokenizer = AutoTokenizer.from_pretrained(RECIPE_DIR / "tokenizer")
+    export_dir = output_dir / "final_model"
+    config = AutoConfig.from_pretrained(export_dir, trust_remote_code=True, backend="torch")
+    model = AutoModelForCausalLM.from_pretrained(export_dir, config=config, trust_remote_code=True).float()
+    val_cfg = OmegaConf.create({"path": str(RECIPE_DIR / "data/sanity_dna_valid.fasta"), "every_n_steps": 1})
+    one_process = Validator(
+        OmegaConf.merge(val_cfg, {"max_batches": None}),
+        lambda path: held_out_batches(path, data_cfg, tokenizer),
+        dp_rank=0,
+        device=torch.device("cpu"),
+        output_dir=output_dir / "one_process",
+    ).run(model, step=last["step"])
+    assert one_process["val_tokens"] == last["val_tokens"]
+    assert one_process["val_loss"] == pytest.approx(last["val_loss"], rel=0.02, abs=0.01)
 
 
 @pytest.mark.requires_te
@@ -38,11 +68,14 @@ def assert_learned(metrics: list[dict], threshold: float = LOSS_THRESHOLD) -> No
     ids=["ddp-bshd", "fsdp2-thd", "fsdp2-thd-bf16-weights", "ddp-thd-fused", "fsdp2-bshd-fused"],
 )
 def test_te_backend_learns(tmp_path, script, overrides):
-    metrics = train_on_gpu(script, tmp_path, "+model_config_overrides.backend=te", *overrides)
+    metrics = train_on_gpu(script, tmp_path, "+model_config_overrides.backend=te", VALIDATE, *overrides)
     assert_learned(metrics)
     summary = json.loads((tmp_path / "summary.json").read_text())
     assert summary["peak_memory_gb"] > 0
     assert (tmp_path / "final_model" / "model.safetensors").is_file()
+    assert_validation_learns(tmp_path, [40, 80])
+    settings = dict(o.removeprefix("dataset.").split("=") for o in overrides if o.startswith("dataset."))
+    assert_validation_is_the_exports(tmp_path, settings["input_format"], int(settings.get("micro_batch_size", 1)))
 
 
 @pytest.mark.requires_fp8
