@@ -25,7 +25,6 @@ from pathlib import Path
 
 import torch
 import torch.distributed as dist
-from context_parallel import shard_for_context_parallel
 from distributed import move_to_device
 from grad_accumulation import count_targets
 from user_errors import ConfigError
@@ -69,6 +68,8 @@ class Validator:
         cp_size, cp_rank: context parallelism: each rank runs its share of every full batch.
         autocast_bf16: run the forward under ``torch.autocast`` to bf16, as a DDP training step over fp32 weights does
             (FSDP2 and Megatron-FSDP cast the weights themselves).
+        forward_kwargs: further arguments of every forward, as the training loop passes them (Geneformer's
+            ``labeled_logits_only=True``: the MLM head on the masked tokens only).
     """
 
     def __init__(
@@ -83,6 +84,7 @@ class Validator:
         cp_size: int = 1,
         cp_rank: int = 0,
         autocast_bf16: bool = False,
+        forward_kwargs: dict | None = None,
     ):
         self.path = val_cfg.path
         self.every_n_steps = int(val_cfg.every_n_steps)
@@ -92,6 +94,7 @@ class Validator:
         self.wandb_mode = wandb_mode
         self.cp_size, self.cp_rank = cp_size, cp_rank
         self.autocast_bf16 = autocast_bf16
+        self.forward_kwargs = dict(forward_kwargs or {})
         if self.path is None:
             self.data = None
             return
@@ -116,9 +119,12 @@ class Validator:
 
     def _forward_loss(self, model: torch.nn.Module, batch: dict) -> torch.Tensor:
         if self.cp_size > 1:
+            # Imported here: only the recipes with context parallelism ship context_parallel.py.
+            from context_parallel import shard_for_context_parallel
+
             batch = shard_for_context_parallel(batch, self.cp_rank, self.cp_size)
         with torch.autocast(self.device.type, dtype=torch.bfloat16, enabled=self.autocast_bf16):
-            return model(**move_to_device(batch, self.device)).loss
+            return model(**move_to_device(batch, self.device), **self.forward_kwargs).loss
 
     @torch.no_grad()
     def run(self, model: torch.nn.Module, step: int) -> dict:

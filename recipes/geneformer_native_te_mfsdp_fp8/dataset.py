@@ -9,6 +9,10 @@ rank-value encoding). The tokens are already ids: there is nothing to tokenize, 
 scripts. The loader it returns **yields forever**: it steps the epoch (re-seeding the shuffle) on its own, so a
 training loop only calls ``next()``. Its ``state_dict()`` resumes exactly at the next batch.
 
+``held_out_batches(path, data_cfg, tokenizer, dp_rank, dp_world_size, seed)`` builds the held-out cells that
+``validation.Validator`` scores every ``validation.every_n_steps`` steps: read and validated once, with the same
+rules, truncation and batching, and masked the same way at every evaluation.
+
 Data config keys (``data_cfg``, any mapping or OmegaConf DictConfig; unknown keys are an error)::
 
     path: ???                  Parquet file, glob (``shards/*.parquet``) or directory of .parquet files (required);
@@ -52,11 +56,12 @@ import numpy as np
 import pyarrow as pa
 import pyarrow.parquet as pq
 import torch
-from collator import BSHDCollator, MLMMasker, THDCollator
-from epoch_batch_sampler import EpochBatchSampler
+from collator import IGNORE_INDEX, BSHDCollator, MLMMasker, THDCollator
+from epoch_batch_sampler import EpochBatchSampler, batches_in_order
 from recipe_paths import RECIPE_DIR, recipe_path
 from torchdata.stateful_dataloader import StatefulDataLoader
 from user_errors import ConfigError, PathNotFoundError
+from validation import HeldOutBatches
 
 
 logger = logging.getLogger(__name__)
@@ -80,8 +85,9 @@ LENGTH_COLUMN = "length"
 # ---------------------------------------------------------------------------------------------------- files
 
 
-def parquet_files(path) -> list[Path]:
-    """The Parquet files ``path`` names: a file, a glob, or a directory (its ``*.parquet`` files), sorted."""
+def parquet_files(path, key: str = "dataset.path") -> list[Path]:
+    """The Parquet files ``path`` names: a file, a glob, or a directory (its ``*.parquet`` files), sorted. ``key`` is
+    the config key that named it, for the error message."""
     path = str(path)
     if glob.has_magic(path):
         files = [Path(f) for f in sorted(glob.glob(path)) if os.path.isfile(f)]
@@ -92,7 +98,7 @@ def parquet_files(path) -> list[Path]:
         files = sorted(resolved.glob("*.parquet")) if resolved.is_dir() else [resolved] if resolved.is_file() else []
     if not files:
         raise PathNotFoundError(
-            f"data path {path!r} matches no Parquet file; point dataset.path at a .parquet file, a glob "
+            f"data path {path!r} matches no Parquet file; point {key} at a .parquet file, a glob "
             "(shards/*.parquet) or a directory of .parquet files"
         )
     return files
@@ -223,12 +229,18 @@ class CellRows(torch.utils.data.Dataset):
 
 
 def load_cells(
-    path, tokenizer, column: str = "input_ids", max_seq_length: int = 2048, empty_cell_policy: str = "skip"
+    path,
+    tokenizer,
+    column: str = "input_ids",
+    max_seq_length: int = 2048,
+    empty_cell_policy: str = "skip",
+    key: str = "dataset.path",
 ) -> CellRows:
-    """Read, validate and truncate every cell of ``path``; log how many were read, truncated and skipped."""
+    """Read, validate and truncate every cell of ``path``; log how many were read, truncated and skipped. ``key`` is
+    the config key that named ``path``, for error messages."""
     vocab_size = len(tokenizer)
     special_ids = dict(zip(tokenizer.all_special_ids, tokenizer.all_special_tokens))
-    files = parquet_files(path)
+    files = parquet_files(path, key)
     cells = CellRows(
         [read_cell_file(f, column, vocab_size, special_ids, max_seq_length, empty_cell_policy) for f in files]
     )
@@ -240,7 +252,7 @@ def load_cells(
     )
     (logger.warning if n_empty else logger.info)(summary)
     if n_empty == len(cells):
-        raise ConfigError(f"{source}: no usable cell ({len(cells)} rows, all of them empty); check dataset.path")
+        raise ConfigError(f"{source}: no usable cell ({len(cells)} rows, all of them empty); check {key}")
     return cells
 
 
@@ -323,3 +335,56 @@ def create_dataloader(data_cfg, tokenizer, dp_rank: int, dp_world_size: int, see
             num_workers=int(cfg["num_workers"]),
             pin_memory=torch.cuda.is_available(),
         )
+
+
+# ---------------------------------------------------------------------------------------------- held-out cells
+
+
+def held_out_batches(
+    path, data_cfg, tokenizer, dp_rank: int = 0, dp_world_size: int = 1, seed: int = 0
+) -> HeldOutBatches:
+    """This rank's held-out batches of the cells in ``path`` (a Parquet file, glob or directory), for
+    ``validation.Validator``, with the rules and batching of the ``dataset`` config ``data_cfg``.
+
+    The cells are read and validated once, here (``load_cells``: the same checks, truncation to ``max_seq_length``
+    and ``empty_cell_policy`` as the training data), so a missing or malformed file stops the run before it trains.
+    Rank r of n scores the usable cells r, r + n, ... in file order, batched as training batches are (THD: as many
+    cells as fit ``token_budget``; BSHD: ``micro_batch_size`` cells) by the training collator. Cell ``row`` is masked
+    from ``(seed, epoch 0, row)``, so every evaluation scores the same masked genes.
+    """
+    cfg = resolve_data_config({**dict(data_cfg), "path": path})
+    cells = load_cells(
+        path,
+        tokenizer,
+        cfg["input_ids_column"],
+        int(cfg["max_seq_length"]),
+        cfg["empty_cell_policy"],
+        key="validation.path",
+    )
+    usable = np.flatnonzero(cells.lengths > 0)
+    thd = cfg["input_format"] == "thd"
+    batching = (
+        {"token_budget": int(cfg["token_budget"])} if thd else {"micro_batch_size": int(cfg["micro_batch_size"])}
+    )
+    groups = batches_in_order(usable[dp_rank::dp_world_size], cells.lengths, **batching)
+    masker = MLMMasker.from_tokenizer(
+        tokenizer, seed=seed, mlm_probability=float(cfg["mlm_probability"]), random_token_ids=gene_token_ids(tokenizer)
+    )
+    collate = (THDCollator if thd else BSHDCollator)(masker, tokenizer.pad_token_id, cfg["pad_to_multiple_of"])
+
+    def read():
+        for group in groups:
+            yield collate(cells.__getitems__([(0, int(row)) for row in group]))
+
+    # One gene, nothing scored (cells have no <cls>/<eos>): what a rank without held-out cells runs, so that every
+    # rank runs the same number of forward passes.
+    one_gene = np.array([gene_token_ids(tokenizer)[0]], dtype=np.int64)
+    placeholder = collate([{"input_ids": one_gene, "epoch": 0, "sample_index": 0}])
+    placeholder["labels"].fill_(IGNORE_INDEX)
+    return HeldOutBatches(
+        read=read,
+        placeholder=placeholder,
+        causal_lm=False,
+        description=f"{len(usable)} usable cells of {path}; data-parallel rank {dp_rank} of {dp_world_size} scores "
+        f"{sum(len(g) for g in groups)} of them in {len(groups)} batch(es), masked from seed {seed}",
+    )

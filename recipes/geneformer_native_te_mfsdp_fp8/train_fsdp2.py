@@ -15,7 +15,7 @@ import hydra
 import torch
 from adamw import build_adamw
 from checkpoint import Checkpointer, export_final_model, gather_full_state_dict
-from dataset import create_dataloader
+from dataset import create_dataloader, held_out_batches
 from distributed import build_meshes, cleanup_distributed, move_to_device, setup_distributed
 from grad_accumulation import count_targets, token_weights
 from model_setup import build_model
@@ -24,6 +24,7 @@ from perf_logger import PerfLogger, Profiler, quiet_progress_bars_off_a_terminal
 from recipe_paths import config_name
 from scheduler import get_linear_schedule_with_warmup
 from user_errors import check_config, report_user_errors
+from validation import Validator
 
 
 logger = logging.getLogger(__name__)
@@ -51,6 +52,16 @@ def main(cfg: DictConfig) -> None:
     scheduler = get_linear_schedule_with_warmup(optimizer, **cfg.lr_scheduler_kwargs)
     dataloader = create_dataloader(
         cfg.dataset, tokenizer, dp_rank=meshes.dp_rank, dp_world_size=meshes.dp_size, seed=cfg.seed
+    )
+    # Held-out loss every validation.every_n_steps (validation.path=null: none); read now, so a bad file fails early.
+    validator = Validator(
+        cfg.validation,
+        lambda path: held_out_batches(path, cfg.dataset, tokenizer, meshes.dp_rank, meshes.dp_size, cfg.seed),
+        dp_rank=meshes.dp_rank,
+        device=device,
+        output_dir=cfg.output_dir,
+        wandb_mode=cfg.wandb.mode,
+        forward_kwargs={"labeled_logits_only": True},  # the MLM head on the masked genes only, as in training
     )
 
     # Resume from the newest complete checkpoint (sharded model/optimizer, schedule, data position, RNG).
@@ -92,6 +103,8 @@ def main(cfg: DictConfig) -> None:
             optimizer.zero_grad(set_to_none=True)
 
         perf.log_step(step, step_loss, grad_norm, lr)
+        if validator.due(step):
+            validator.run(built.train_model, step)
         checkpointer.poll()  # finalise a finished background save without waiting for one
         if cfg.checkpoint.save_every and step % cfg.checkpoint.save_every == 0:
             checkpointer.save(step, model, optimizer, scheduler, dataloader)

@@ -1,6 +1,7 @@
 #!/usr/bin/env python3
 """Write data/sanity_cells.parquet: a small synthetic corpus of rank-value encoded cells that a tiny Geneformer learns
-in about a minute on a CPU, and that a model which ignores the rest of the cell cannot.
+in about a minute on a CPU, and that a model which ignores the rest of the cell cannot; with ``--held-out``, its
+held-out set data/sanity_cells_val.parquet.
 
 What the data is. There are N_CELL_TYPES = 8 cell types. Each has a *program*: PROGRAM_LENGTH = 48 genes of its own
 (no gene belongs to two types; ids drawn once from 2..1023, so never <pad> = 0 or <mask> = 1; the L0 model
@@ -15,6 +16,11 @@ real cells are:
 
 Columns: ``input_ids`` (list<int32>, highest-ranked gene first, as Geneformer's rank-value encoding) and ``length``
 (int32). The generator is seeded, so running it again writes the same table (tests/test_dataset.py checks that).
+
+The held-out set (``--held-out``, ``validation.path`` of the L0 sanity config): N_VAL_CELLS = 200 other cells of the
+same 8 programs. One generator seeded with SEED draws the programs and then the training cells; the held-out cells
+are drawn after the same programs by a fresh generator seeded with VAL_CELL_SEED (``make_cells(cell_seed=...)``), so
+a model that learned the programs scores them as well as the training cells, and one that memorised cells does not.
 
 What loss to expect. 15% of the genes are masked (80% <mask>, 10% a random gene, 10% left in place), so a masked
 target is distributed like the corpus's genes. The script prints the entropy of that distribution, alone and given
@@ -37,6 +43,7 @@ steps it is 1 nat below by step ~55 and ~4.3 at step 80. Learning is per token s
 (~290 tokens) needs several times more steps.
 
     python scripts/make_sanity_dataset.py            # writes data/sanity_cells.parquet beside this folder
+    python scripts/make_sanity_dataset.py --held-out # writes data/sanity_cells_val.parquet
     python scripts/make_sanity_dataset.py --output /tmp/cells.parquet
 """
 
@@ -60,13 +67,23 @@ MIN_GENES, MAX_GENES = 24, 48
 DROPOUT = 0.05
 RANK_JITTER = 1.0
 OUTPUT = Path(__file__).resolve().parent.parent / "data" / "sanity_cells.parquet"
+# The held-out set: other cells of the same programs.
+N_VAL_CELLS = 200
+VAL_CELL_SEED = 20_241_125
+VAL_OUTPUT = OUTPUT.with_name("sanity_cells_val.parquet")
 
 
-def make_cells(n_cells: int = N_CELLS, seed: int = SEED) -> tuple[list[np.ndarray], np.ndarray]:
-    """``(cells, cell_types)``: each cell an int32 array of gene ids, highest-ranked first."""
+def make_cells(
+    n_cells: int = N_CELLS, seed: int = SEED, cell_seed: int | None = None
+) -> tuple[list[np.ndarray], np.ndarray]:
+    """``(cells, cell_types)``: each cell an int32 array of gene ids, highest-ranked first. The programs come from
+    ``seed``; the cells from the same generator after them, or, with ``cell_seed``, from a fresh one seeded with it
+    (other cells of the same programs: the held-out set)."""
     rng = np.random.default_rng(seed)
     genes = FIRST_GENE_ID + rng.choice(VOCAB_SIZE - FIRST_GENE_ID, N_CELL_TYPES * PROGRAM_LENGTH, replace=False)
     programs = genes.reshape(N_CELL_TYPES, PROGRAM_LENGTH).astype(np.int32)
+    if cell_seed is not None:
+        rng = np.random.default_rng(cell_seed)
     cell_types = rng.integers(N_CELL_TYPES, size=n_cells)
     cells = []
     for cell_type in cell_types:
@@ -113,8 +130,8 @@ def cell_table(cells: list[np.ndarray]) -> pa.Table:
     return pa.table({"input_ids": input_ids, "length": pa.array(np.diff(offsets), pa.int32())})
 
 
-def write(path: Path, n_cells: int = N_CELLS, seed: int = SEED) -> dict[str, float]:
-    cells, cell_types = make_cells(n_cells, seed)
+def write(path: Path, n_cells: int = N_CELLS, seed: int = SEED, cell_seed: int | None = None) -> dict[str, float]:
+    cells, cell_types = make_cells(n_cells, seed, cell_seed)
     path.parent.mkdir(parents=True, exist_ok=True)
     # Plain int32 values (no dictionary) compressed with zstd: the repeated program stretches compress well.
     pq.write_table(cell_table(cells), path, compression="zstd", compression_level=19, use_dictionary=False)
@@ -123,11 +140,25 @@ def write(path: Path, n_cells: int = N_CELLS, seed: int = SEED) -> dict[str, flo
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--output", type=Path, default=OUTPUT)
-    parser.add_argument("--cells", type=int, default=N_CELLS)
-    parser.add_argument("--seed", type=int, default=SEED)
+    parser.add_argument(
+        "--held-out",
+        action="store_true",
+        help=f"write the held-out set: {N_VAL_CELLS} other cells of the same programs (cell seed {VAL_CELL_SEED}) "
+        f"to {VAL_OUTPUT.name}, unless --output, --cells or --cell-seed say otherwise",
+    )
+    parser.add_argument("--output", type=Path, default=None, help=f"default: {OUTPUT.name} (or {VAL_OUTPUT.name})")
+    parser.add_argument("--cells", type=int, default=None, help=f"default: {N_CELLS} (or {N_VAL_CELLS})")
+    parser.add_argument(
+        "--seed", type=int, default=SEED, help="seeds the programs (and the cells, without a cell seed)"
+    )
+    parser.add_argument("--cell-seed", type=int, default=None, help="draw the cells from a generator of their own")
     args = parser.parse_args()
-    entropies = write(args.output, args.cells, args.seed)
+    held_out_defaults = {"output": VAL_OUTPUT, "cells": N_VAL_CELLS, "cell_seed": VAL_CELL_SEED}
+    defaults = held_out_defaults if args.held_out else {"output": OUTPUT, "cells": N_CELLS, "cell_seed": None}
+    for name, value in defaults.items():
+        if getattr(args, name) is None:
+            setattr(args, name, value)
+    entropies = write(args.output, args.cells, args.seed, args.cell_seed)
     print(f"wrote {args.output} ({args.output.stat().st_size / 1024:.0f} KiB, {args.cells} cells)")
     print(f"uniform over the vocabulary: ln({VOCAB_SIZE}) = {np.log(VOCAB_SIZE):.2f} nats")
     for name, value in entropies.items():

@@ -64,6 +64,7 @@ def test_l0_sanity_is_complete_and_uses_shipped_data():
     cfg = _compose("L0_sanity", ["output_dir=unused"])
     assert not [key for key in ("model_tag", "num_train_steps", "dataset.path") if OmegaConf.is_missing(cfg, key)]
     assert (RECIPE_DIR / cfg.dataset.path).is_file()
+    assert (RECIPE_DIR / cfg.validation.path).is_file()  # the shipped held-out cells
 
 
 @pytest.mark.parametrize("name", ["10m", "106m", "4b"])

@@ -1,5 +1,6 @@
 """Reading, validating, truncating, sharding and resuming rank-value encoded cells (dataset.py), on tiny Parquet
-files written per test, and the shipped sanity corpus (data/sanity_cells.parquet)."""
+files written per test, and the shipped sanity corpus (data/sanity_cells.parquet, and its held-out set
+data/sanity_cells_val.parquet)."""
 
 import importlib.util
 import logging
@@ -19,6 +20,7 @@ from user_errors import ConfigError, PathNotFoundError
 
 RECIPE = Path(__file__).resolve().parents[1]
 SANITY = RECIPE / "data" / "sanity_cells.parquet"
+SANITY_VAL = RECIPE / "data" / "sanity_cells_val.parquet"
 A, B, C = [10, 11, 12], [20, 21, 22, 23, 24], [30, 31]
 
 
@@ -329,3 +331,36 @@ def test_sanity_generator_is_deterministic(tmp_path):
     assert pq.read_table(tmp_path / "cells.parquet").equals(pq.read_table(SANITY))
     assert entropies["H(gene)"] == pytest.approx(5.87, abs=0.005)
     assert entropies["H(gene | cell type)"] < entropies["H(gene)"] - 2
+
+
+def test_held_out_sanity_cells_are_other_cells_of_the_same_programs(tmp_path):
+    """data/sanity_cells_val.parquet (validation.path of L0_sanity): what the generator writes with --held-out, 200
+    small clean cells, none of them a training cell, each expressing one training program."""
+    generator = load_generator()
+    generator.write(tmp_path / "val.parquet", generator.N_VAL_CELLS, cell_seed=generator.VAL_CELL_SEED)
+    assert pq.read_table(tmp_path / "val.parquet").equals(pq.read_table(SANITY_VAL))
+    assert SANITY_VAL.stat().st_size < 20_000
+    train = pq.read_table(SANITY).column("input_ids").to_pylist()
+    held_out = pq.read_table(SANITY_VAL).column("input_ids").to_pylist()
+    assert len(held_out) == 200 and all(len(set(c)) == len(c) >= 24 for c in held_out)
+    assert not {tuple(c) for c in held_out} & {tuple(c) for c in train}
+    program_of = {gene: index for index, genes in enumerate(programs(train)) for gene in genes}
+    assert all(len({program_of[gene] for gene in cell}) == 1 for cell in held_out)  # KeyError: a gene not in training
+
+
+def programs(cells: list[list[int]]) -> list[set[int]]:
+    """The genes of each program: the sets of genes connected by co-occurring in a cell."""
+    parent = {}
+
+    def root(gene):
+        while parent.setdefault(gene, gene) != gene:
+            gene = parent[gene]
+        return gene
+
+    for cell in cells:
+        for gene in cell[1:]:
+            parent[root(gene)] = root(cell[0])
+    groups = {}
+    for gene in parent:
+        groups.setdefault(root(gene), set()).add(gene)
+    return list(groups.values())

@@ -3,7 +3,8 @@
 The L0 sanity model (2 layers, hidden 128) trains on the shipped synthetic cells. References are independent of the
 code under test: the loss must fall well below the masked genes' unigram entropy (which needs the rest of the cell,
 see scripts/make_sanity_dataset.py), an interrupted run must match an uninterrupted one bit for bit, k micro-batches
-must equal one batch k times larger, and the export must reproduce the weights that the checkpoint holds.
+must equal one batch k times larger, the export must reproduce the weights that the checkpoint holds, and the held-out
+loss a run logs must be what one process computes for its export.
 """
 
 import json
@@ -15,12 +16,16 @@ import pyarrow.parquet as pq
 import pytest
 import torch
 import torch.distributed.checkpoint as dcp
+from dataset import held_out_batches
 from launch import RECIPE_DIR, assert_logs_read_well_off_a_terminal, run_script
 from modeling_geneformer_te import NVGeneformerConfig, NVGeneformerForMaskedLM
+from omegaconf import OmegaConf
 from transformers import AutoConfig, AutoModelForMaskedLM, AutoTokenizer
+from validation import Validator
 
 
 FAST = ["dataset.max_seq_length=256", "dataset.micro_batch_size=48", "dataset.token_budget=2048"]
+FAST_BATCHING = {"max_seq_length": 256, "micro_batch_size": 48, "token_budget": 2048}  # FAST, for held_out_batches
 CONVERGE = [
     "num_train_steps=80",
     "adamw_kwargs.lr=3e-3",
@@ -32,6 +37,9 @@ CONVERGE = [
 # a model that predicts genes without looking at the rest of the cell cannot get below it. Training must.
 UNIGRAM_ENTROPY = 5.87
 LOSS_THRESHOLD = UNIGRAM_ENTROPY - 1.0
+# Held-out loss at steps 40 and 80 on the shipped held-out cells (200 cells; a few forward passes per rank).
+HELD_OUT = "data/sanity_cells_val.parquet"
+VALIDATE = [f"validation.path={HELD_OUT}", "validation.every_n_steps=40"]
 
 
 def train(script: str, output_dir: Path, *overrides: str, nproc: int | None = None) -> list[dict]:
@@ -99,6 +107,34 @@ def assert_export_reproduces_checkpoint(output_dir: Path, step: int) -> None:
         torch.testing.assert_close(exported(**batch).logits, reference(**batch).logits, rtol=1e-4, atol=1e-3)
 
 
+def validation_records(output_dir: Path) -> list[dict]:
+    return [json.loads(line) for line in (output_dir / "validation.jsonl").read_text().splitlines()]
+
+
+def assert_validation_is_the_exports_held_out_loss(
+    output_dir: Path, steps: list[int], batching: dict, input_format: str, rel: float = 1e-4
+) -> None:
+    """validation.jsonl holds ``steps``; the held-out loss falls, to below the unigram entropy by more than a nat on
+    cells the run never trained on; and its last value is what one process computes on CPU for the exported model
+    (full MLM head, float32) on the same held-out batches (``batching``: the run's dataset settings; the seed is 42),
+    where the run's validation was split over ranks, or ran on TE in bf16."""
+    records = validation_records(output_dir)
+    assert [r["step"] for r in records] == steps
+    assert records[-1]["val_loss"] < min(records[0]["val_loss"], LOSS_THRESHOLD), records
+    exported = load_export(output_dir).float()
+    tokenizer = AutoTokenizer.from_pretrained(output_dir / "final_model")
+    data_cfg = {"path": "unused", "input_format": input_format, **batching}
+    one_process = Validator(
+        OmegaConf.create({"path": str(RECIPE_DIR / HELD_OUT), "every_n_steps": 1, "max_batches": None}),
+        lambda path: held_out_batches(path, data_cfg, tokenizer, seed=42),
+        dp_rank=0,
+        device=torch.device("cpu"),
+        output_dir=output_dir / "one_process",
+    ).run(exported, step=steps[-1])
+    assert one_process["val_tokens"] == records[-1]["val_tokens"]
+    assert one_process["val_loss"] == pytest.approx(records[-1]["val_loss"], rel=rel)
+
+
 def assert_converged(metrics: list[dict], steps: int) -> None:
     assert metrics[0]["loss"] > 6.5  # a random model starts near ln(1024) = 6.9 (L0_sanity's vocabulary)
     assert metrics[-1]["step"] == steps
@@ -116,14 +152,27 @@ def assert_converged(metrics: list[dict], steps: int) -> None:
     ],
 )
 def test_l0_sanity_converges_and_exports(tmp_path, script, nproc, input_format):
+    """... and scores the held-out cells: at L0_sanity's step 75, or on two processes every 40 steps (split over the
+    ranks), equal to one process's evaluation of the export."""
+    validate = VALIDATE if nproc else []
     metrics = train(
-        script, tmp_path, *CONVERGE, f"dataset.input_format={input_format}", "dataset.num_workers=0", nproc=nproc
+        script,
+        tmp_path,
+        *CONVERGE,
+        *validate,
+        f"dataset.input_format={input_format}",
+        "dataset.num_workers=0",
+        nproc=nproc,
     )
     assert_converged(metrics, steps=80)
     summary = json.loads((tmp_path / "summary.json").read_text())
     assert summary["world_size"] == (nproc or 1) and summary["steps"] == 80
     assert summary["median_tokens_per_second_per_gpu"] > 0
     assert_export_reproduces_checkpoint(tmp_path, step=80)
+    if validate:
+        assert_validation_is_the_exports_held_out_loss(tmp_path, [40, 80], FAST_BATCHING, input_format)
+    else:  # L0_sanity's own schedule: every 75 steps
+        assert [r["step"] for r in validation_records(tmp_path)] == [75]
 
 
 @pytest.mark.parametrize(
@@ -135,9 +184,12 @@ def test_l0_sanity_converges_and_exports(tmp_path, script, nproc, input_format):
         ("train_fsdp2.py", ["dataset.input_format=thd", "checkpoint.async_save=true", "dataset.num_workers=0"]),
     ],
 )
-def test_stop_and_go_matches_uninterrupted_run(tmp_path, script, extra):
-    """40 steps in one go vs 20 + resume + 20: identical losses, gradient norms and final weights."""
-    common = [*CONVERGE, "num_train_steps=40", "logger.log_every=1", "checkpoint.save_every=20", *extra]
+def test_stop_and_go_matches_uninterrupted_run(tmp_path, script, extra, write_cells):
+    """40 steps in one go vs 20 + resume + 20: identical losses, gradient norms, final weights and held-out losses.
+    The held-out file has one cell, so on these two ranks rank 1 runs the placeholder batch at every evaluation."""
+    one_cell = write_cells([list(range(100, 140))], name="held_out.parquet")
+    validate = [f"validation.path={one_cell}", "validation.every_n_steps=20"]
+    common = [*CONVERGE, "num_train_steps=40", "logger.log_every=1", "checkpoint.save_every=20", *validate, *extra]
     full = train(script, tmp_path / "full", *common, nproc=2)
     train(script, tmp_path / "resumed", *common, "num_train_steps=20", nproc=2)
     resumed = train(script, tmp_path / "resumed", *common, nproc=2)  # same output dir: resumes from step 20
@@ -146,6 +198,8 @@ def test_stop_and_go_matches_uninterrupted_run(tmp_path, script, extra):
     assert [m["step"] for m in resumed] == list(range(1, 41))  # metrics.jsonl appends across the restart
     assert [m["loss"] for m in resumed] == [m["loss"] for m in full]  # bit-identical, not just close
     assert [m["grad_norm"] for m in resumed] == [m["grad_norm"] for m in full]
+    assert validation_records(tmp_path / "resumed") == validation_records(tmp_path / "full")
+    assert [r["step"] for r in validation_records(tmp_path / "full")] == [20, 40]
     assert full[-1]["loss"] < full[0]["loss"] - 1.0  # and the run did train
     resumed_state = load_export(tmp_path / "resumed").state_dict()
     for name, value in load_export(tmp_path / "full").state_dict().items():

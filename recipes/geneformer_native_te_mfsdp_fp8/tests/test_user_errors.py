@@ -1,11 +1,12 @@
 """User errors end with one line that names the problem and the fix, exit status 2, no traceback, nothing lost.
 
-Each case runs the script with the command line a user types and provokes one mistake: a missing data path, a parquet
-without the input_ids column, gene ids outside the vocabulary (found in the data), a misspelled key, a value of the
-wrong type, FP8 or the TE backend on a machine without them, Megatron-FSDP without GPUs, a tokenizer that does not fit
-the model, resuming a checkpoint with another model shape, fine-tuning from an export with a file missing. The script
-runs as ``__main__`` inside the test process (a new interpreter would spend ~10 s importing torch for a run that fails
-in a second), except where the mistake is about the hardware: those runs need a process whose GPUs are hidden.
+Each case runs the script with the command line a user types and provokes one mistake: a missing data path (or
+validation path), a parquet without the input_ids column, gene ids outside the vocabulary (found in the data), a
+misspelled key, a value of the wrong type, FP8 or the TE backend on a machine without them, Megatron-FSDP without
+GPUs, a tokenizer that does not fit the model, resuming a checkpoint with another model shape, fine-tuning from an
+export with a file missing. The script runs as ``__main__`` inside the test process (a new interpreter would spend
+~10 s importing torch for a run that fails in a second), except where the mistake is about the hardware: those runs
+need a process whose GPUs are hidden.
 """
 
 import shutil
@@ -45,6 +46,12 @@ def finished_run(tmp_path_factory) -> Path:
 def test_missing_data_path(tmp_path):
     result = fail("train_ddp.py", tmp_path, "dataset.path=/no/such/cells.parquet")
     assert_user_error(result, "/no/such/cells.parquet")
+
+
+def test_missing_validation_file_fails_before_training(tmp_path):
+    result = fail("train_fsdp2.py", tmp_path, "validation.path=/no/such/held_out.parquet")
+    assert_user_error(result, "'/no/such/held_out.parquet' matches no Parquet file", "point validation.path at")
+    assert not (tmp_path / "run" / "metrics.jsonl").exists()  # not a single step trained
 
 
 def test_parquet_without_the_input_ids_column(tmp_path):
