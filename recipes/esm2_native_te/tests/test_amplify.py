@@ -19,10 +19,13 @@ from test_finetune import NO_LEARNING, assert_export_holds
 from test_train import (
     CONVERGE,
     FAST,
+    FAST_BATCHING,
     LOSS_THRESHOLD,
     TINY_MODEL,
+    VALIDATE,
     assert_converged,
     assert_export_reproduces_checkpoint,
+    assert_validation_is_the_exports_held_out_loss,
     read_metrics,
     train,
 )
@@ -80,16 +83,21 @@ def test_the_shipped_l0_sanity_amplify_config_learns_and_exports(tmp_path):
     ],
 )
 def test_every_cpu_entrypoint_trains_amplify(tmp_path, script, nproc, input_format):
-    extra = ["cp_size=2"] if script == "train_cp.py" else []
+    """... and validates every 40 steps (AMPLIFY's tokenizer), equal to one process scoring the export."""
+    cp_size = 2 if script == "train_cp.py" else 1
+    extra = [f"cp_size={cp_size}"] if cp_size > 1 else []
     metrics = train(
-        script, tmp_path, AMPLIFY, *CONVERGE, f"dataset.input_format={input_format}", "dataset.num_workers=0", *extra,
-        nproc=nproc,
+        script, tmp_path, AMPLIFY, *CONVERGE, *VALIDATE, f"dataset.input_format={input_format}", "dataset.num_workers=0",
+        *extra, nproc=nproc,
     )  # fmt: skip
     assert_converged(metrics, steps=80, initial_loss_above=LOSS_THRESHOLD)
     export_dir = tmp_path / "final_model"
     assert json.loads((export_dir / "config.json").read_text())["architectures"] == ["NVAmplifyForMaskedLM"]
     assert len(AutoTokenizer.from_pretrained(export_dir)) == 27  # the AMPLIFY vocabulary went with the export
     assert_export_reproduces_checkpoint(tmp_path, step=80)
+    assert_validation_is_the_exports_held_out_loss(
+        tmp_path, [40, 80], FAST_BATCHING, input_format, cp_size=cp_size, tokenizer_dir="tokenizer_amplify"
+    )
 
 
 def test_amplify_stop_and_go_matches_uninterrupted_run(tmp_path):

@@ -115,17 +115,18 @@ def assert_validation_is_the_exports_held_out_loss(
     cp_size: int = 1,
     rel: float = 1e-4,
     falls: bool = True,
+    tokenizer_dir: str = "tokenizer",
 ) -> None:
     """validation.jsonl holds ``steps``, the loss is below ln(33) ~ 3.5 (the start) and, with ``falls``, lower at the
     last step than at the first; and its last value is what one process computes on CPU for the exported model on the
     same held-out batches (``batching``: the run's dataset settings; the seed is 42), where the run's validation was
-    split over ranks or context-parallel ranks, or ran on TE."""
+    split over ranks or context-parallel ranks, or ran on TE. ``tokenizer_dir``: the model family's tokenizer."""
     records = [json.loads(line) for line in (output_dir / "validation.jsonl").read_text().splitlines()]
     assert [r["step"] for r in records] == steps
     assert max(r["val_loss"] for r in records) < 3.3, records
     assert not falls or records[-1]["val_loss"] < records[0]["val_loss"], records
     data_cfg = {"path": "unused", "input_format": input_format, **batching}
-    tokenizer = AutoTokenizer.from_pretrained(RECIPE_DIR / "tokenizer")
+    tokenizer = AutoTokenizer.from_pretrained(RECIPE_DIR / tokenizer_dir)
 
     def run_batches_whole(path: str) -> HeldOutBatches:
         """The run's (CP-padded) batches, run whole: without the padded boundaries, which only CP accepts (they
