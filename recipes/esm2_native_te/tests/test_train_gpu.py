@@ -43,6 +43,12 @@ def train_on_gpu(
     return read_metrics(output_dir)
 
 
+def assert_validated_at(output_dir: Path, steps: list[int]) -> None:
+    """validation.jsonl holds ``steps`` (L0_sanity's schedule) with a held-out loss below the start, ln(33) ~ 3.5."""
+    records = [json.loads(line) for line in (output_dir / "validation.jsonl").read_text().splitlines()]
+    assert [r["step"] for r in records] == steps and all(r["val_loss"] < 3.3 for r in records), records
+
+
 def assert_learned(metrics: list[dict], threshold: float = LOSS_THRESHOLD, last_steps: int = 20) -> None:
     final = [m["loss"] for m in metrics if m["step"] > metrics[-1]["step"] - last_steps]
     assert sum(final) / len(final) < threshold, [round(m["loss"], 3) for m in metrics]
@@ -124,6 +130,7 @@ def test_fp8_layers_learn(tmp_path, recipe):
     # entropy (~2.9 nats), which still needs context.
     assert_learned(train_on_gpu("train_fsdp2.py", tmp_path, *overrides), threshold=2.9, last_steps=40)
     assert_export_reproduces_checkpoint(tmp_path, step=100)
+    assert_validated_at(tmp_path, [75])  # the held-out pass under FP8 (no_grad, eval)
 
 
 @pytest.mark.requires_fp8
@@ -137,6 +144,7 @@ def test_fp8_with_bshd_input_learns(tmp_path):
     ]
     assert_learned(train_on_gpu("train_ddp.py", tmp_path, *overrides), threshold=2.9, last_steps=40)
     assert_export_reproduces_checkpoint(tmp_path, step=100)
+    assert_validated_at(tmp_path, [75])  # the held-out pass under FP8 (no_grad, eval)
 
 
 @pytest.mark.requires_fp8

@@ -82,7 +82,10 @@ def test_te_backend_learns(tmp_path, script, overrides):
 @pytest.mark.parametrize("recipe", ["Float8CurrentScaling", "Float8BlockScaling"])
 def test_fp8_learns(tmp_path, recipe):
     overrides = ["fp8_config.enabled=true", f"fp8_config.fp8_recipe={recipe}", "+model_config_overrides.backend=te"]
-    assert_learned(train_on_gpu("train_fsdp2.py", tmp_path, *overrides), threshold=1.3)
+    assert_learned(train_on_gpu("train_fsdp2.py", tmp_path, *overrides, VALIDATE), threshold=1.3)
+    held_out = read_metrics(tmp_path, "validation.jsonl")  # the held-out pass under FP8 (no_grad, eval)
+    assert [v["step"] for v in held_out] == [40, 80], held_out
+    assert held_out[1]["val_loss"] < min(held_out[0]["val_loss"], 1.386), held_out  # below ln 4: uses context
 
 
 @pytest.mark.requires_multi_gpu
