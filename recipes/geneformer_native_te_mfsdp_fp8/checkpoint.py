@@ -28,7 +28,7 @@ import logging
 import random
 import re
 import shutil
-from concurrent.futures import Future
+from concurrent.futures import Future, ThreadPoolExecutor
 from pathlib import Path
 from typing import Any, Literal
 
@@ -107,6 +107,30 @@ def prune_checkpoints(ckpt_dir: str | Path, max_checkpoints: int | None) -> list
         logger.info("Pruning old checkpoint %s", path)
         shutil.rmtree(path.rename(path.with_name(path.name + _PRUNING_SUFFIX)), ignore_errors=True)
     return doomed
+
+
+# --------------------------------------------------------------------------------------------------------------------
+# Staging a background write
+# --------------------------------------------------------------------------------------------------------------------
+
+
+def _cpu_copy(value: Any) -> Any:
+    """A CPU copy of a checkpoint state, for a background write while training goes on. A DTensor becomes a DTensor
+    over a CPU copy of its local shard with the same sharding spec; the local shard's attributes come along, among
+    them Megatron-FSDP's ``__create_chunk_list__``/``__create_write_items__``, which tell DCP the size of an uneven
+    shard."""
+    if isinstance(value, DTensor):
+        local = value._local_tensor
+        local_copy = local.detach().to("cpu", copy=True)
+        local_copy.__dict__.update(local.__dict__)
+        return DTensor(local_copy, value._spec, requires_grad=False)
+    if isinstance(value, torch.Tensor):
+        return value.detach().to("cpu", copy=True)
+    if isinstance(value, dict):
+        return {key: _cpu_copy(item) for key, item in value.items()}
+    if isinstance(value, (list, tuple)):
+        return type(value)(_cpu_copy(item) for item in value)
+    return value
 
 
 # --------------------------------------------------------------------------------------------------------------------
@@ -193,6 +217,8 @@ class Checkpointer:
         # The background writer runs collectives while training runs its own: on a separate gloo group they cannot
         # interleave with the gradient all-reduces (and gloo moves the CPU-staged copy without touching the GPU).
         self._async_group = dist.new_group(backend="gloo") if async_save and dist.is_initialized() else None
+        # Megatron-FSDP's background writes: the thread that runs DCP's save over a copy staged by _cpu_copy.
+        self._writer: ThreadPoolExecutor | None = None
 
     # ---------------------------------------------------------------- save
 
@@ -239,7 +265,19 @@ class Checkpointer:
             return
 
         state = self._dcp_state(model, optimizer, scheduler, step)
-        if self.async_save:
+        if self.async_save and self.strategy == "mfsdp":
+            # DCP's async_save stages by copying each tensor's whole storage, which fails on Megatron-FSDP's
+            # parameter DTensors (torch 2.11, megatron-fsdp 0.6.1: "Attempted to call copy_() on an invalid python
+            # storage"). So the CPU copy is made here, before training changes the weights again, and a background
+            # thread writes it with DCP's synchronous save, as async_save's own thread would.
+            cpu_state = _cpu_copy(state)
+            if self._writer is None:
+                self._writer = ThreadPoolExecutor(max_workers=1, thread_name_prefix="checkpoint-writer")
+            write = self._writer.submit(
+                dcp.save, cpu_state, checkpoint_id=str(tmp_dir), process_group=self._async_group
+            )
+            self._pending = (write, step)
+        elif self.async_save:
             response = dcp.async_save(state, checkpoint_id=str(tmp_dir), process_group=self._async_group)
             # Newer torch may return a response holding separate staging and upload futures.
             self._pending = (getattr(response, "upload_completion", response), step)
@@ -265,6 +303,9 @@ class Checkpointer:
     def close(self) -> None:
         """Await the last save; call before the process exits or the background write dies with it."""
         self.wait()
+        if self._writer is not None:
+            self._writer.shutdown()
+            self._writer = None
 
     def _finalize(self, step: int) -> None:
         """On rank 0: mark ``step_<N>.tmp`` complete, give it its final name, and prune old checkpoints."""

@@ -1,6 +1,9 @@
 """torchrun worker for test_checkpoint.py: train a toy model, checkpoint mid-way, resume into fresh objects.
 
-Usage: checkpoint_worker.py <ddp|fsdp2> <sync|async> <ckpt_dir> <result_file>
+Usage: checkpoint_worker.py <ddp|fsdp2|mfsdp> <sync|async> <ckpt_dir> <result_file>
+
+``mfsdp`` checkpoints the way train_mfsdp.py does (the modules' and optimizer's own DTensor state dicts, the optimizer
+state created up front); Megatron-FSDP itself shards only on GPUs, so here FSDP2 makes the DTensor parameters.
 """
 
 import sys
@@ -24,13 +27,17 @@ def build_training(strategy: str):
     """A toy model (the same initial weights on every rank), sharded or wrapped, with AdamW and a schedule."""
     torch.manual_seed(0)
     model = torch.nn.Sequential(torch.nn.Linear(8, 16), torch.nn.GELU(), torch.nn.Linear(16, 1))
-    if strategy == "fsdp2":
+    if strategy in ("fsdp2", "mfsdp"):
         for layer in (model[0], model[2]):
             fully_shard(layer)
         fully_shard(model)
     else:
         model = DistributedDataParallel(model)
     optimizer = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    if strategy == "mfsdp":  # Megatron-FSDP's optimizer holds its state from the start: a resume loads into it
+        for param in model.parameters():
+            zeros = {"exp_avg": torch.zeros_like(param), "exp_avg_sq": torch.zeros_like(param)}
+            optimizer.state[param] = {"step": torch.tensor(0.0), **zeros}
     scheduler = get_linear_schedule_with_warmup(optimizer, num_warmup_steps=2, num_decay_steps=10)
     return model, optimizer, scheduler
 
@@ -65,7 +72,8 @@ def train_steps(model, optimizer, scheduler, batches, n: int) -> list[float]:
 
 
 def full_params(model, strategy: str) -> dict[str, torch.Tensor]:
-    return {k: (v.full_tensor() if strategy == "fsdp2" else v).detach().clone() for k, v in model.named_parameters()}
+    sharded = strategy in ("fsdp2", "mfsdp")
+    return {k: (v.full_tensor() if sharded else v).detach().clone() for k, v in model.named_parameters()}
 
 
 def main():
