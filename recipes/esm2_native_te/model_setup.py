@@ -131,13 +131,6 @@ def build_model(
     except RuntimeError as error:
         raise UnsupportedHardwareError(f"{error} (+model_config_overrides.backend=torch)") from None
     if strategy == "mfsdp":
-        if config.recompute_layers:
-            # Megatron-FSDP gathers and frees weights in its own module hooks; whether they hold while a layer is
-            # recomputed in backward has not been tested (FSDP2 and DDP have).
-            raise ConfigError(
-                "model_config_overrides.recompute_layers is not supported with Megatron-FSDP (train_mfsdp.py) yet: "
-                "use train_fsdp2.py for activation recompute"
-            )
         return _build_megatron_fsdp(cfg, device, meshes, family, config, plan, quant_stats)
     on_meta = strategy == "fsdp2" and cfg.fsdp.use_meta_device
     with torch.device("meta" if on_meta else device):

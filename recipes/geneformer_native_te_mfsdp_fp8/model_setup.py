@@ -219,13 +219,6 @@ def build_model(cfg: DictConfig, device: torch.device, meshes: Meshes | None, st
         resolve_backend(config.backend)  # backend=te on a machine without TE or a GPU fails here, in one line
     except RuntimeError as error:
         raise UnsupportedHardwareError(f"{error} (+model_config_overrides.backend=torch)") from None
-    if strategy == "mfsdp" and config.recompute_layers:
-        # Megatron-FSDP gathers and frees weights in its own module hooks; whether they hold while a layer is
-        # recomputed in backward has not been tested (FSDP2 and DDP have).
-        raise ConfigError(
-            "model_config_overrides.recompute_layers is not supported with Megatron-FSDP (train_mfsdp.py) yet: "
-            "use train_fsdp2.py or train_ddp.py for activation recompute"
-        )
     pretrained = load_pretrained_state_dict(cfg)
     if strategy == "mfsdp":
         return _build_megatron_fsdp(cfg, device, meshes, config, tokenizer, plan, pretrained)

@@ -26,7 +26,6 @@ from omegaconf import OmegaConf
 from quantization import QuantizationPlan, resolve_layer_precision
 from torch.distributed.fsdp import FSDPModule, MixedPrecisionPolicy
 from torch.nn.parallel import DistributedDataParallel
-from user_errors import ConfigError
 
 
 CONFIG_DIR = Path(__file__).resolve().parent.parent / "hydra_config"
@@ -193,10 +192,3 @@ def test_fused_layers_are_switched_off_where_they_cannot_run(monkeypatch, caplog
         )
     assert not config.fused_residual_norm
     assert "fused_residual_norm is off for this run (TE's layers instead)" in caplog.text and reason in caplog.text
-
-
-def test_activation_recompute_is_refused_with_megatron_fsdp():
-    """Not yet tested with Megatron-FSDP's hooks: a clear error before anything is built (CPU: before its import)."""
-    cfg = bf16_cfg("+model_config_overrides.recompute_layers=1")
-    with pytest.raises(ConfigError, match="recompute_layers is not supported with Megatron-FSDP"):
-        build_model(cfg, torch.device("cpu"), None, strategy="mfsdp")

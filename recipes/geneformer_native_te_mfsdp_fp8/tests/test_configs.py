@@ -94,14 +94,3 @@ def test_slurm_script_parses():
     """slurm.sh is an example to adapt (no cluster here): at least it must be valid bash."""
     result = subprocess.run(["bash", "-n", str(RECIPE_DIR / "slurm.sh")], capture_output=True, text=True)
     assert result.returncode == 0, result.stderr
-
-
-def test_activation_recompute_is_refused_with_megatron_fsdp():
-    """Not yet tested with Megatron-FSDP's hooks: a clear error before anything is built (on CPU: before the import)."""
-    import torch
-    from model_setup import build_model
-    from user_errors import ConfigError
-
-    cfg = _compose("L0_sanity", ["output_dir=unused", "+model_config_overrides.recompute_layers=1"])
-    with pytest.raises(ConfigError, match="recompute_layers is not supported with Megatron-FSDP"):
-        build_model(cfg, torch.device("cpu"), None, strategy="mfsdp")
