@@ -9,11 +9,13 @@ import json
 from pathlib import Path
 
 import pytest
+import torch
 from launch import run_script
 from test_train import (
     LOSS_THRESHOLD,
     assert_export_reproduces_checkpoint,
     assert_validation_is_the_exports_held_out_loss,
+    load_export,
     read_metrics,
 )
 
@@ -32,14 +34,14 @@ def train_on_gpu(
     nproc: int | None = None,
     steps: int = 100,
     config_name: str | None = None,
+    env: dict | None = None,
 ) -> list[dict]:
     """``steps`` steps, logged every 10, with a checkpoint halfway (the export is compared with the last one)."""
     # Hydra's --config-name goes before the overrides: argparse takes no positional arguments after an option.
     config = ["--config-name", config_name] if config_name else []
     schedule = [f"num_train_steps={steps}", "logger.log_every=10", f"checkpoint.save_every={steps // 2}"]
-    run_script(
-        script, *config, f"output_dir={output_dir}", *schedule, *overrides, nproc=nproc, cpu_only=False, timeout=600
-    )
+    args = [*config, f"output_dir={output_dir}", *schedule, *overrides]
+    run_script(script, *args, nproc=nproc, cpu_only=False, timeout=600, env=env)
     return read_metrics(output_dir)
 
 
@@ -73,6 +75,7 @@ def assert_learned(metrics: list[dict], threshold: float = LOSS_THRESHOLD, last_
             ],
         ),
         ("train_fsdp2.py", ["dataset.input_format=bshd", "+model_config_overrides.fused_residual_norm=true"]),
+        ("train_ddp.py", ["dataset.input_format=thd", "use_torch_compile=true"]),
     ],
     ids=[
         "ddp-bshd",
@@ -81,6 +84,7 @@ def assert_learned(metrics: list[dict], threshold: float = LOSS_THRESHOLD, last_
         "ddp-bf16-weights",
         "ddp-fused-residual",
         "fsdp2-fused-residual",
+        "ddp-compile",
     ],
 )
 def test_te_backend_learns_and_exports(tmp_path, script, overrides):
@@ -175,21 +179,109 @@ def test_mxfp8_and_nvfp4_layers_learn(tmp_path):
     assert_learned(train_on_gpu("train_fsdp2.py", tmp_path, *overrides))
 
 
+needs_megatron_fsdp = pytest.mark.skipif(
+    importlib.util.find_spec("megatron_fsdp") is None, reason="megatron-fsdp is not installed"
+)
+# TE's fused attention runs a deterministic backward only when asked to; GEMMs and norms are run-to-run exact. With it,
+# two TE runs of the same steps log the same losses bit for bit, which the exactness tests below rely on.
+DETERMINISTIC = {"NVTE_ALLOW_NONDETERMINISTIC_ALGO": "0"}
+
+
 @pytest.mark.requires_gpu
-@pytest.mark.skipif(importlib.util.find_spec("megatron_fsdp") is None, reason="megatron-fsdp is not installed")
-@pytest.mark.parametrize("fused_residual_norm", [False, True])
-def test_megatron_fsdp_learns_and_exports(tmp_path, fused_residual_norm):
-    metrics = train_on_gpu(
-        "train_mfsdp.py",
-        tmp_path,
-        "dataset.input_format=thd",
-        f"+model_config_overrides.fused_residual_norm={str(fused_residual_norm).lower()}",
-        VALIDATE,
-        nproc=1,
-    )
+@needs_megatron_fsdp
+@pytest.mark.parametrize(
+    "overrides",
+    [[], ["+model_config_overrides.fused_residual_norm=true"], ["use_torch_compile=true"]],
+    ids=["te-layers", "fused-residual", "compile"],
+)
+def test_megatron_fsdp_learns_and_exports(tmp_path, overrides):
+    metrics = train_on_gpu("train_mfsdp.py", tmp_path, "dataset.input_format=thd", VALIDATE, *overrides, nproc=1)
     assert_learned(metrics)
     assert_export_reproduces_checkpoint(tmp_path, step=100)
     assert_validation_is_the_exports_held_out_loss(tmp_path, [50, 100], L0_BATCHING, "thd", rel=0.02, falls=False)
+
+
+def assert_same_run(first: Path, second: Path) -> None:
+    """Two runs' logged losses, gradient norms and held-out losses bit for bit, and their exported weights."""
+    metrics = [read_metrics(first), read_metrics(second)]
+    assert [m["step"] for m in metrics[1]] == [m["step"] for m in metrics[0]]
+    assert [m["loss"] for m in metrics[1]] == [m["loss"] for m in metrics[0]]
+    assert [m["grad_norm"] for m in metrics[1]] == [m["grad_norm"] for m in metrics[0]]
+    held_out = [
+        [json.loads(line) for line in (run / "validation.jsonl").read_text().splitlines()] for run in (first, second)
+    ]
+    assert [r["val_loss"] for r in held_out[1]] == [r["val_loss"] for r in held_out[0]] and held_out[0]
+    expected = load_export(first).state_dict()
+    for name, value in load_export(second).state_dict().items():
+        torch.testing.assert_close(value, expected[name], rtol=0, atol=0, msg=name)
+
+
+@pytest.mark.requires_te
+@needs_megatron_fsdp
+def test_megatron_fsdp_stop_and_go_matches_uninterrupted_run(tmp_path):
+    """Megatron-FSDP with TE layers in bf16 over its fp32 main weights, THD, two micro-batches a step, asynchronous
+    saves: 60 steps in one go and 30 + resume + 30 log the same losses, gradient norms and held-out losses bit for bit
+    and export the same weights. So a checkpoint restores the fp32 main weights (not the bf16 compute weights they are
+    rounded to), the AdamW moments and step count, the schedule and the data position."""
+    common = [
+        "+model_config_overrides.backend=te",
+        "dataset.input_format=thd",
+        "grad_acc_steps=2",
+        "checkpoint.async_save=true",
+        "logger.log_every=1",
+        "validation.every_n_steps=20",
+    ]
+    train_on_gpu("train_mfsdp.py", tmp_path / "full", *common, nproc=1, steps=60, env=DETERMINISTIC)
+    stopped = [*common, "num_train_steps=30"]
+    train_on_gpu("train_mfsdp.py", tmp_path / "resumed", *stopped, nproc=1, steps=60, env=DETERMINISTIC)
+    train_on_gpu("train_mfsdp.py", tmp_path / "resumed", *common, nproc=1, steps=60, env=DETERMINISTIC)
+    assert [m["step"] for m in read_metrics(tmp_path / "resumed")] == list(range(1, 61))
+    assert_same_run(tmp_path / "full", tmp_path / "resumed")
+
+
+@pytest.mark.requires_gpu
+@needs_megatron_fsdp
+def test_megatron_fsdp_grad_accumulation_equals_one_larger_batch(tmp_path):
+    """grad_acc_steps=2 x 4 sequences == 1 x 8 on one GPU in float32 (torch backend; PyTorch's default keeps TF32
+    off): Megatron-FSDP sums the micro-batches' gradients in its main-gradient buffer and the token weights make the
+    sum one batch's gradient. The same losses, gradient norms and exported weights, to float32 rounding."""
+    common = [
+        "+model_config_overrides.backend=torch",
+        "mixed_precision.enabled=false",
+        "dataset.input_format=bshd",
+        "adamw_kwargs.eps=1e-3",  # Adam divides by sqrt(v) + eps: keep float noise in tiny gradients from flipping signs
+        "logger.log_every=1",
+    ]
+    accumulated = train_on_gpu(
+        "train_mfsdp.py", tmp_path / "acc", *common, "dataset.micro_batch_size=4", "grad_acc_steps=2", nproc=1, steps=4
+    )
+    single = train_on_gpu(
+        "train_mfsdp.py", tmp_path / "big", *common, "dataset.micro_batch_size=8", "grad_acc_steps=1", nproc=1, steps=4
+    )
+    assert [m["loss"] for m in accumulated] == pytest.approx([m["loss"] for m in single], rel=1e-5)
+    assert [m["grad_norm"] for m in accumulated] == pytest.approx([m["grad_norm"] for m in single], rel=1e-4)
+    assert single[-1]["loss"] != single[0]["loss"]  # the steps did change the weights
+    expected = load_export(tmp_path / "big").state_dict()
+    for key, value in load_export(tmp_path / "acc").state_dict().items():
+        torch.testing.assert_close(value, expected[key], rtol=1e-5, atol=1e-6, msg=key)
+
+
+@pytest.mark.requires_te
+@needs_megatron_fsdp
+def test_megatron_fsdp_activation_recompute_trains_exactly_like_keeping_activations(tmp_path):
+    """Every layer recomputed in backward inside Megatron-FSDP's gather/release hooks (TE, bf16, THD): the same losses
+    and gradient norms as keeping the activations, bit for bit, and a lower peak memory."""
+    common = ["+model_config_overrides.backend=te", "dataset.input_format=thd", "logger.log_every=1"]
+    common += ["validation.every_n_steps=15"]
+    train_on_gpu("train_mfsdp.py", tmp_path / "plain", *common, nproc=1, steps=30, env=DETERMINISTIC)
+    recompute = [*common, "+model_config_overrides.recompute_layers=6"]
+    train_on_gpu("train_mfsdp.py", tmp_path / "recompute", *recompute, nproc=1, steps=30, env=DETERMINISTIC)
+    assert_same_run(tmp_path / "plain", tmp_path / "recompute")
+    peak = {
+        run: json.loads((tmp_path / run / "summary.json").read_text())["peak_memory_gb"]
+        for run in ("plain", "recompute")
+    }
+    assert peak["recompute"] < peak["plain"], peak
 
 
 @pytest.mark.requires_multi_gpu

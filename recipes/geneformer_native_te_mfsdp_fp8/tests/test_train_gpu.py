@@ -12,11 +12,13 @@ import json
 from pathlib import Path
 
 import pytest
+import torch
 from launch import run_script
 from test_train import (
     LOSS_THRESHOLD,
     assert_export_reproduces_checkpoint,
     assert_validation_is_the_exports_held_out_loss,
+    load_export,
     read_metrics,
     validation_records,
 )
@@ -30,6 +32,9 @@ FP8 = ["fp8_config.enabled=true", "dataset.pad_to_multiple_of=16"]
 # record is the exported model's.
 L0_BATCHING = {"max_seq_length": 512, "micro_batch_size": 48, "token_budget": 2048}
 VALIDATE = "validation.every_n_steps=50"
+# TE's fused attention runs a deterministic backward only when asked to; GEMMs and norms are run-to-run exact. With it,
+# two TE runs of the same steps log the same losses bit for bit, which the exactness tests below rely on.
+DETERMINISTIC = {"NVTE_ALLOW_NONDETERMINISTIC_ALGO": "0"}
 
 
 def assert_validated(output_dir: Path, steps: list[int]) -> None:
@@ -41,14 +46,20 @@ def assert_validated(output_dir: Path, steps: list[int]) -> None:
 
 
 def train_on_gpu(
-    script: str, output_dir: Path, *overrides: str, nproc: int | None = 1, steps: int = 100, config: str | None = None
+    script: str,
+    output_dir: Path,
+    *overrides: str,
+    nproc: int | None = 1,
+    steps: int = 100,
+    config: str | None = None,
+    env: dict | None = None,
 ) -> list:
     """``steps`` steps, logged every 10, with a checkpoint halfway (the export is compared with the last one)."""
     # Hydra's --config-name goes before the overrides: argparse takes no positional arguments after an option.
     config_name = ["--config-name", config] if config else []
     schedule = [f"num_train_steps={steps}", "logger.log_every=10", f"checkpoint.save_every={steps // 2}"]
     args = [*config_name, f"output_dir={output_dir}", *schedule, *overrides]
-    run_script(script, *args, nproc=nproc, cpu_only=False, timeout=600)
+    run_script(script, *args, nproc=nproc, cpu_only=False, timeout=600, env=env)
     return read_metrics(output_dir)
 
 
@@ -87,6 +98,89 @@ def test_fp8_layers_learn_with_megatron_fsdp(tmp_path, recipe):
     assert_learned(metrics)
     assert_export_reproduces_checkpoint(tmp_path, step=100)
     assert_validated(tmp_path, [50, 100])
+
+
+def assert_same_run(first: Path, second: Path) -> None:
+    """Two runs' logged losses, gradient norms and held-out losses bit for bit, and their exported weights."""
+    metrics = [read_metrics(first), read_metrics(second)]
+    assert [m["step"] for m in metrics[1]] == [m["step"] for m in metrics[0]]
+    assert [m["loss"] for m in metrics[1]] == [m["loss"] for m in metrics[0]]
+    assert [m["grad_norm"] for m in metrics[1]] == [m["grad_norm"] for m in metrics[0]]
+    assert validation_records(second) == validation_records(first) and validation_records(first)
+    expected = load_export(first).state_dict()
+    for name, value in load_export(second).state_dict().items():
+        torch.testing.assert_close(value, expected[name], rtol=0, atol=0, msg=name)
+
+
+@pytest.mark.requires_te
+@needs_megatron_fsdp
+def test_megatron_fsdp_stop_and_go_matches_uninterrupted_run(tmp_path):
+    """Megatron-FSDP (the recipe's main entrypoint) with TE layers in bf16 over its fp32 main weights, THD, dropout
+    on, two micro-batches a step, asynchronous saves: 60 steps in one go and 30 + resume + 30 log the same losses,
+    gradient norms and held-out losses bit for bit and export the same weights. So a checkpoint restores the fp32
+    main weights (not the bf16 compute weights they are rounded to), the AdamW moments and step count, the schedule,
+    the data position and the dropout RNG."""
+    common = [
+        "++model_config_overrides.backend=te",
+        "dataset.input_format=thd",
+        "grad_acc_steps=2",
+        "checkpoint.async_save=true",
+        "logger.log_every=1",
+        "validation.every_n_steps=20",
+    ]
+    train_on_gpu("train_mfsdp.py", tmp_path / "full", *common, steps=60, env=DETERMINISTIC)
+    train_on_gpu("train_mfsdp.py", tmp_path / "resumed", *common, "num_train_steps=30", steps=60, env=DETERMINISTIC)
+    train_on_gpu("train_mfsdp.py", tmp_path / "resumed", *common, steps=60, env=DETERMINISTIC)
+    assert [m["step"] for m in read_metrics(tmp_path / "resumed")] == list(range(1, 61))
+    assert_same_run(tmp_path / "full", tmp_path / "resumed")
+
+
+@pytest.mark.requires_gpu
+@needs_megatron_fsdp
+def test_megatron_fsdp_grad_accumulation_equals_one_larger_batch(tmp_path):
+    """grad_acc_steps=2 x 24 cells == 1 x 48 on one GPU in float32 (torch backend, dropout off; PyTorch's default
+    keeps TF32 off): Megatron-FSDP sums the micro-batches' gradients in its main-gradient buffer and the token weights
+    make the sum one batch's gradient. The same losses, gradient norms and exported weights, to float32 rounding."""
+    common = [
+        "++model_config_overrides.backend=torch",
+        "mixed_precision.enabled=false",
+        "dataset.input_format=bshd",
+        "adamw_kwargs.eps=1e-3",  # Adam divides by sqrt(v) + eps: keep float noise in tiny gradients from flipping signs
+        "logger.log_every=1",
+        "++model_config_overrides.hidden_dropout_prob=0.0",
+        "++model_config_overrides.attention_probs_dropout_prob=0.0",
+    ]
+    accumulated = train_on_gpu(
+        "train_mfsdp.py", tmp_path / "acc", *common, "dataset.micro_batch_size=24", "grad_acc_steps=2", steps=4
+    )
+    single = train_on_gpu(
+        "train_mfsdp.py", tmp_path / "big", *common, "dataset.micro_batch_size=48", "grad_acc_steps=1", steps=4
+    )
+    assert [m["loss"] for m in accumulated] == pytest.approx([m["loss"] for m in single], rel=1e-5)
+    assert [m["grad_norm"] for m in accumulated] == pytest.approx([m["grad_norm"] for m in single], rel=1e-4)
+    assert single[-1]["loss"] != single[0]["loss"]  # the steps did change the weights
+    expected = load_export(tmp_path / "big").state_dict()
+    for key, value in load_export(tmp_path / "acc").state_dict().items():
+        torch.testing.assert_close(value, expected[key], rtol=1e-5, atol=1e-6, msg=key)
+
+
+@pytest.mark.requires_te
+@needs_megatron_fsdp
+def test_megatron_fsdp_activation_recompute_trains_exactly_like_keeping_activations(tmp_path):
+    """Both layers recomputed in backward inside Megatron-FSDP's gather/release hooks (TE, bf16, THD, dropout on: the
+    recompute draws the same masks): the same losses, gradient norms and held-out losses as keeping the activations,
+    bit for bit, and a lower peak memory."""
+    common = ["++model_config_overrides.backend=te", "dataset.input_format=thd", "logger.log_every=1"]
+    common += ["validation.every_n_steps=15"]
+    train_on_gpu("train_mfsdp.py", tmp_path / "plain", *common, steps=30, env=DETERMINISTIC)
+    recompute = [*common, "+model_config_overrides.recompute_layers=2"]
+    train_on_gpu("train_mfsdp.py", tmp_path / "recompute", *recompute, steps=30, env=DETERMINISTIC)
+    assert_same_run(tmp_path / "plain", tmp_path / "recompute")
+    peak = {
+        run: json.loads((tmp_path / run / "summary.json").read_text())["peak_memory_gb"]
+        for run in ("plain", "recompute")
+    }
+    assert peak["recompute"] < peak["plain"], peak
 
 
 @pytest.mark.requires_fp8
