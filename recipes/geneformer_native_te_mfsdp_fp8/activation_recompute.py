@@ -9,7 +9,8 @@ kept: attention inputs and outputs, the MLP's [tokens, ffn] activations, norms. 
 Layers that hold TransformerEngine modules go through ``te.distributed.checkpoint``, which replays the forward under the same FP8
 autocast and keeps delayed-scaling amax histories from being updated twice; other layers through
 ``torch.utils.checkpoint``. Both run non-reentrant: recompute starts when backward first needs a tensor the layer did
-not keep, which also composes with FSDP2 (its pre-backward hook has already gathered the layer's weights by then).
+not keep, which also composes with FSDP2 (its pre-backward hook has already gathered the layer's weights by then) and
+with Megatron-FSDP (on an H200 its recomputed runs log the plain runs' losses bit for bit).
 Dropout masks are reproduced (both save and restore the RNG state), so the gradients equal those of a plain run.
 
 FP8 layers with delayed scaling are refused: on one H100 (TE 2.20, AMPLIFY test model, two steps) their recomputed
