@@ -1,5 +1,6 @@
 # Copied from common/perf_logger.py — edit the source, then run ci/check_copies.py --fix
-"""Training metrics: progress, loss/throughput/MFU logging, Weights & Biases, summary.json, profiler window.
+"""Training metrics: progress, loss/throughput/MFU logging (also to Weights & Biases: wandb_run.py), summary.json,
+profiler window.
 
 The hot loop must not wait for the GPU, so per-step values (loss, token counts, attention work) are accumulated as
 device tensors. A logging step (every ``log_every`` steps) is collective: all ranks reduce their counters together.
@@ -39,7 +40,8 @@ import torch.distributed as dist
 import transformers
 from huggingface_hub.utils import disable_progress_bars as disable_hub_progress_bars
 from tqdm.auto import tqdm
-from user_errors import ConfigError, MissingPackageError
+from user_errors import ConfigError
+from wandb_run import start_wandb_run
 
 
 logger = logging.getLogger(__name__)
@@ -188,7 +190,7 @@ class PerfLogger:
         self._progress = None  # the tqdm bar on a terminal; None off one (and on ranks > 0)
         self._wandb = None
         if self.rank == 0:
-            self._wandb = _init_wandb(cfg)
+            self._wandb = start_wandb_run(cfg, resuming=start_step > 0)
             self.output_dir.mkdir(parents=True, exist_ok=True)
             metrics_path = self.output_dir / "metrics.jsonl"
             if start_step > 0:
@@ -382,30 +384,6 @@ def format_duration(seconds: float) -> str:
     if hours:
         return f"{hours}h{minutes:02d}m"
     return f"{minutes}m{seconds:02d}s" if minutes else f"{seconds}s"
-
-
-def _init_wandb(cfg):
-    """Start a W&B run when ``wandb.mode`` is online or offline; wandb is imported only then."""
-    mode = cfg.wandb.mode
-    if mode == "disabled":
-        return None
-    if mode not in ("online", "offline"):
-        raise ConfigError(f"wandb.mode={mode}: choose online, offline or disabled")
-    try:
-        import wandb
-    except ImportError as error:
-        raise MissingPackageError(
-            f"wandb.mode={mode} needs the wandb package; install it or set wandb.mode=disabled"
-        ) from error
-    from omegaconf import OmegaConf
-
-    return wandb.init(
-        mode=mode,
-        project=cfg.wandb.project,
-        name=cfg.wandb.name,
-        dir=str(cfg.output_dir),
-        config=OmegaConf.to_container(cfg, resolve=True),
-    )
 
 
 class Profiler:
