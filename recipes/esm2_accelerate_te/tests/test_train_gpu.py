@@ -18,13 +18,25 @@ from transformers import AutoConfig, AutoModelForMaskedLM
 LOSS_THRESHOLD = 2.85
 
 
-def train_on_gpu(config_file: str, output_dir: Path, *overrides: str, num_processes: int = 1, steps: int = 100):
+# TE's fused attention runs a deterministic backward only when asked to; GEMMs and norms are run-to-run exact. With it,
+# two TE runs of the same steps log the same losses bit for bit.
+DETERMINISTIC = {"NVTE_ALLOW_NONDETERMINISTIC_ALGO": "0"}
+
+
+def train_on_gpu(
+    config_file: str,
+    output_dir: Path,
+    *overrides: str,
+    num_processes: int = 1,
+    steps: int = 100,
+    env: dict | None = None,
+):
     """--config-name (if any) must come first in ``overrides``: argparse takes no positional arguments after it."""
     schedule = [f"output_dir={output_dir}", f"num_train_steps={steps}", "logger.log_every=10"]
     config, rest = (
         (list(overrides[:2]), list(overrides[2:])) if overrides[:1] == ("--config-name",) else ([], overrides)
     )
-    accelerate_launch(config_file, *config, *schedule, *rest, num_processes=num_processes, cpu_only=False)
+    accelerate_launch(config_file, *config, *schedule, *rest, num_processes=num_processes, cpu_only=False, env=env)
     return read_metrics(output_dir)
 
 
@@ -102,6 +114,55 @@ def test_fp8_really_runs_and_learns(tmp_path, config_file, num_processes):
     assert summary["fp8_requested"] is True
     # 6 layers x (LayerNormLinear QKV, Linear proj, LayerNormMLP) = 18 FP8 modules in the 8M ESM-2.
     assert summary["fp8_modules_with_amax"] >= 18, summary
+    assert_export_loads(tmp_path, step=100)
+
+
+@pytest.mark.requires_fp8
+def test_fp8_on_chosen_layers_runs_fp8_only_there(tmp_path):
+    """``fp8_layers=[2,3]`` with an FP8 launch: exactly the 3 FP8 modules of each of those 2 layers recorded amax
+    values (6 of the 8M model's 18), the other layers ran bf16, and the model learns."""
+    metrics = train_on_gpu("fp8.yaml", tmp_path, "dataset.input_format=thd", "fp8_layers=[2,3]")
+    assert_learned(metrics)
+    assert read_summary(tmp_path)["fp8_modules_with_amax"] == 6
+    assert_export_loads(tmp_path, step=100)
+
+
+@pytest.mark.requires_te
+def test_fsdp2_sharded_checkpoint_resumes_exactly(tmp_path):
+    """FSDP2 over the TE model (sharded checkpoints): stopped after step 15 and relaunched, the run logs the losses
+    and gradient norms of one that never stopped (TE's deterministic attention backward), and exports."""
+    common = ["dataset.input_format=thd", "logger.log_every=1"]
+    whole = train_on_gpu("fsdp2_te.yaml", tmp_path / "whole", *common, steps=30, env=DETERMINISTIC)
+    split = tmp_path / "split"
+    train_on_gpu("fsdp2_te.yaml", split, *common, "stop_after_steps=15", steps=30, env=DETERMINISTIC)
+    assert (split / "checkpoint-15" / "COMPLETE").is_file() and not (split / "final_model").exists()
+    resumed = train_on_gpu("fsdp2_te.yaml", split, *common, steps=30, env=DETERMINISTIC)
+    assert [m["step"] for m in resumed] == list(range(1, 31))
+    for expected, logged in zip(whole, resumed):
+        assert logged["loss"] == pytest.approx(expected["loss"], rel=1e-6, abs=1e-7), expected["step"]
+        assert logged["grad_norm"] == pytest.approx(expected["grad_norm"], rel=1e-5), expected["step"]
+    assert_export_loads(split, step=30)
+
+
+@pytest.mark.requires_te
+def test_the_trainers_gradient_checkpointing_with_te_trains_the_same(tmp_path):
+    """``+training_args.gradient_checkpointing=true`` with TE's layers (DDP, THD): every layer recomputed in backward
+    through TE's checkpoint, the same losses and gradient norms as keeping activations (TE's deterministic attention
+    backward), and a lower peak memory."""
+    common = ["dataset.input_format=thd", "logger.log_every=1", "export_final_model=false"]
+    plain = train_on_gpu("default.yaml", tmp_path / "plain", *common, steps=30, env=DETERMINISTIC)
+    recompute = [*common, "+training_args.gradient_checkpointing=true"]
+    recomputed = train_on_gpu("default.yaml", tmp_path / "recompute", *recompute, steps=30, env=DETERMINISTIC)
+    assert [(m["loss"], m["grad_norm"]) for m in recomputed] == [(m["loss"], m["grad_norm"]) for m in plain]
+    peak = {run: read_summary(tmp_path / run)["peak_memory_gb"] for run in ("plain", "recompute")}
+    assert peak["recompute"] < peak["plain"], peak
+
+
+@pytest.mark.requires_te
+def test_torch_compile_through_the_trainer_learns_and_exports(tmp_path):
+    """``+training_args.torch_compile=true`` (the Trainer compiles the model) with FSDP2 over the TE model."""
+    metrics = train_on_gpu("fsdp2_te.yaml", tmp_path, "dataset.input_format=thd", "+training_args.torch_compile=true")
+    assert_learned(metrics)
     assert_export_loads(tmp_path, step=100)
 
 

@@ -165,16 +165,18 @@ def test_megatron_fsdp_grad_accumulation_equals_one_larger_batch(tmp_path):
 
 
 @pytest.mark.requires_te
-@needs_megatron_fsdp
-def test_megatron_fsdp_activation_recompute_trains_exactly_like_keeping_activations(tmp_path):
-    """Both layers recomputed in backward inside Megatron-FSDP's gather/release hooks (TE, bf16, THD, dropout on: the
-    recompute draws the same masks): the same losses, gradient norms and held-out losses as keeping the activations,
-    bit for bit, and a lower peak memory."""
+@pytest.mark.parametrize(
+    "script", ["train_ddp.py", "train_fsdp2.py", pytest.param("train_mfsdp.py", marks=needs_megatron_fsdp)]
+)
+def test_activation_recompute_trains_exactly_like_keeping_activations(tmp_path, script):
+    """Both layers recomputed in backward (TE, bf16, THD, dropout on: the recompute draws the same masks), inside
+    FSDP2's and Megatron-FSDP's gather/release hooks too: the same losses, gradient norms and held-out losses as
+    keeping the activations, bit for bit, and a lower peak memory."""
     common = ["++model_config_overrides.backend=te", "dataset.input_format=thd", "logger.log_every=1"]
     common += ["validation.every_n_steps=15"]
-    train_on_gpu("train_mfsdp.py", tmp_path / "plain", *common, steps=30, env=DETERMINISTIC)
+    train_on_gpu(script, tmp_path / "plain", *common, steps=30, env=DETERMINISTIC)
     recompute = [*common, "+model_config_overrides.recompute_layers=2"]
-    train_on_gpu("train_mfsdp.py", tmp_path / "recompute", *recompute, steps=30, env=DETERMINISTIC)
+    train_on_gpu(script, tmp_path / "recompute", *recompute, steps=30, env=DETERMINISTIC)
     assert_same_run(tmp_path / "plain", tmp_path / "recompute")
     peak = {
         run: json.loads((tmp_path / run / "summary.json").read_text())["peak_memory_gb"]
