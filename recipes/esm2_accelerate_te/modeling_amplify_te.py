@@ -105,8 +105,11 @@ class NVAmplifyRotaryEmbedding(nn.Module):
         self.inv_freq = self._inv_freq(self.inv_freq.device)
 
     def forward(self, max_seqlen: int) -> torch.Tensor:
-        positions = torch.arange(max_seqlen, device=self.inv_freq.device, dtype=torch.float32)
-        freqs = torch.outer(positions, self.inv_freq)
+        inv_freq = self.inv_freq
+        if inv_freq.dtype != torch.float32:  # model.to(bfloat16) cast the buffer: recompute rather than round angles
+            inv_freq = self._inv_freq(inv_freq.device)
+        positions = torch.arange(max_seqlen, device=inv_freq.device, dtype=torch.float32)
+        freqs = torch.outer(positions, inv_freq)
         return torch.cat((freqs, freqs), dim=-1).view(max_seqlen, 1, 1, self.head_dim)
 
 

@@ -118,8 +118,11 @@ class NVEsmRotaryEmbedding(nn.Module):
         self.inv_freq = self._inv_freq(self.inv_freq.device)
 
     def forward(self, max_seqlen: int) -> torch.Tensor:
-        positions = torch.arange(max_seqlen, device=self.inv_freq.device, dtype=torch.float32)
-        freqs = torch.outer(positions, self.inv_freq)
+        inv_freq = self.inv_freq
+        if inv_freq.dtype != torch.float32:  # model.to(bfloat16) cast the buffer: recompute rather than round angles
+            inv_freq = self._inv_freq(inv_freq.device)
+        positions = torch.arange(max_seqlen, device=inv_freq.device, dtype=torch.float32)
+        freqs = torch.outer(positions, inv_freq)
         return torch.cat((freqs, freqs), dim=-1).view(max_seqlen, 1, 1, self.head_dim)
 
 
@@ -282,8 +285,19 @@ class NVEsmContactHead(nn.Module):
         super().__init__()
         self.regression = nn.Module()
         in_features = config.num_hidden_layers * config.num_attention_heads
-        self.regression.register_buffer("weight", torch.zeros(1, in_features))
-        self.regression.register_buffer("bias", torch.zeros(1))
+        # float32 whatever the default dtype (from_pretrained(dtype=torch.bfloat16) builds under a bf16 default)
+        self.regression.register_buffer("weight", torch.zeros(1, in_features, dtype=torch.float32))
+        self.regression.register_buffer("bias", torch.zeros(1, dtype=torch.float32))
+
+    def _apply(self, fn, recurse=True):
+        """Device moves apply; dtype casts do not. A model-wide ``.to(torch.bfloat16)`` (bf16 training weights,
+        Megatron-FSDP's compute weights) would otherwise round the stored weights, and the export would no longer
+        hold the checkpoint's values."""
+        buffers = self.regression._buffers
+        for name, buffer in buffers.items():
+            moved = fn(buffer)
+            buffers[name] = moved if moved.dtype == buffer.dtype else buffer.to(moved.device)
+        return self
 
 
 class NVEsmModel(NVEsmPreTrainedModel):

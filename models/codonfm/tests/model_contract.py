@@ -204,6 +204,26 @@ def test_convert_round_trip_is_exact(contract):
             assert torch.equal(again[key], value), key
 
 
+def test_a_bfloat16_model_keeps_exact_rotary_angles_and_stored_buffers(contract):
+    """``model.to(torch.bfloat16)`` (bf16 training weights, Megatron-FSDP's compute weights, a bf16 model for
+    inference) rounds the weights, not the positions: each rotary table equals the float32 model's bit for bit (bf16
+    frequencies would move the angle at position 1,000 by up to ~0.45 rad), and the float buffers of the state dict
+    (ESM-2's contact-regression weights) keep their values, so a checkpoint survives a bf16 model unchanged."""
+    model = torch_model(contract)
+    rotary = {name: module for name, module in model.named_modules() if hasattr(module, "inv_freq")}
+    assert bool(rotary) == contract.rotary
+    tables = {name: module(1024) for name, module in rotary.items()}
+    buffers = dict(model.named_buffers())
+    stored = {k: v.clone() for k, v in model.state_dict().items() if k in buffers and v.is_floating_point()}
+    model.to(torch.bfloat16)
+    assert all(p.dtype == torch.bfloat16 for p in model.parameters())
+    for name, module in rotary.items():
+        assert torch.equal(module(1024), tables[name]), name
+    state = model.state_dict()
+    for key, value in stored.items():
+        assert torch.equal(state[key], value), key
+
+
 def test_conversion_rejects_unknown_hugging_face_weights(contract):
     hf_model = contract.hf_model()
     hf_model.register_buffer("surprise", torch.zeros(2))
