@@ -40,15 +40,13 @@ from model_families import (
 from modeling_esm_te import resolve_backend  # the same function in both modeling files: is TE usable here?
 from omegaconf import DictConfig, OmegaConf
 from perf_logger import ModelFlops
+from pretrained_weights import load_full_weights
 from quant_stats import QuantStats
 from quantization import QuantizationPlan, check_quantization_supported
-from torch.distributed.checkpoint.state_dict import StateDictOptions, set_model_state_dict
 from torch.distributed.fsdp import fully_shard
-from torch.distributed.tensor import DTensor
 from torch.nn.parallel import DistributedDataParallel
 from transformers import PretrainedConfig
 from user_errors import ConfigError, UnsupportedHardwareError
-from weight_conversion import load_state_dict_exactly
 
 
 logger = logging.getLogger(__name__)
@@ -87,22 +85,14 @@ class BuiltModel:
 
 
 def apply_pretrained_weights(model: torch.nn.Module, state: dict[str, torch.Tensor] | None) -> None:
-    """Copy ``state`` into ``model``, whole or FSDP2-sharded; every weight must be there with its shape."""
+    """Copy ``state`` into ``model``, whole or sharded (FSDP2, Megatron-FSDP: every rank its own part); every weight
+    must be there with its shape."""
     if state is None:
         return
-    if not any(isinstance(p, DTensor) for p in model.parameters()):
-        try:
-            load_state_dict_exactly(model, state, "the pretrained checkpoint")
-        except ValueError as error:
-            raise ConfigError(f"{error}; {PRETRAINED_MISMATCH}") from None
-        return
-    result = set_model_state_dict(model, state, options=StateDictOptions(full_state_dict=True, strict=False))
-    missing = [key for key in result.missing_keys if not key.endswith("_extra_state")]
-    if missing or result.unexpected_keys:
-        raise ConfigError(
-            f"cannot load the pretrained checkpoint: missing keys {missing[:5]}, "
-            f"unexpected {result.unexpected_keys[:5]}; {PRETRAINED_MISMATCH}"
-        )
+    try:
+        load_full_weights(model, state, "the pretrained checkpoint")
+    except ValueError as error:
+        raise ConfigError(f"{error}; {PRETRAINED_MISMATCH}") from None
 
 
 def build_model(
@@ -197,7 +187,6 @@ def _build_megatron_fsdp(cfg, device, meshes, family: ModelFamily, config, plan,
 
     with torch.device(device):
         model = family.model_class(config, fp8_recipe=plan.fp8_recipe, fp4_recipe=plan.fp4_recipe)
-    apply_pretrained_weights(model, load_pretrained_state_dict(cfg))  # fine-tuning: init_from_pretrained=true
     if cfg.mixed_precision.enabled:
         model.to(torch.bfloat16)  # compute weights; fp32 main weights live in Megatron-FSDP's buffers
     if quant_stats is not None:
@@ -222,5 +211,8 @@ def _build_megatron_fsdp(cfg, device, meshes, family: ModelFamily, config, plan,
         mixed_precision_policy=policy,
         device=device,
     )
+    # Fine-tuning (init_from_pretrained): after sharding, into the fp32 main weights; loaded before, the weights
+    # would reach them only through the bf16 compute weights above, rounded.
+    apply_pretrained_weights(model, load_pretrained_state_dict(cfg))
     train_model = torch.compile(model) if cfg.use_torch_compile else model
     return BuiltModel(model, train_model, config, plan, model_flops, "mfsdp", optimizer=optimizer)

@@ -31,6 +31,7 @@ from mixed_precision import computes_in_bf16, keeps_fp32_master_weights, mixed_p
 from modeling_geneformer_te import NVGeneformerConfig, NVGeneformerForMaskedLM, resolve_backend
 from omegaconf import DictConfig, OmegaConf
 from perf_logger import ModelFlops
+from pretrained_weights import load_full_weights
 from quantization import (
     QuantizationPlan,
     build_quantization,
@@ -39,13 +40,10 @@ from quantization import (
     refuse_recomputed_delayed_scaling,
 )
 from recipe_paths import looks_like_hub_id, model_directory, recipe_path, tokenizer_source
-from torch.distributed.checkpoint.state_dict import StateDictOptions, set_model_state_dict
 from torch.distributed.fsdp import fully_shard
-from torch.distributed.tensor import DTensor
 from torch.nn.parallel import DistributedDataParallel
 from transformers import AutoTokenizer, BertConfig, BertForMaskedLM, PretrainedConfig, PreTrainedTokenizerBase
 from user_errors import ConfigError, UnsupportedHardwareError
-from weight_conversion import load_state_dict_exactly
 
 
 logger = logging.getLogger(__name__)
@@ -158,22 +156,14 @@ def load_pretrained_state_dict(cfg: DictConfig) -> dict[str, torch.Tensor] | Non
 
 
 def apply_pretrained_weights(model: torch.nn.Module, state: dict[str, torch.Tensor] | None) -> None:
-    """Copy ``state`` into ``model``, whole or FSDP2-sharded; every weight must be there with its shape."""
+    """Copy ``state`` into ``model``, whole or sharded (FSDP2, Megatron-FSDP: every rank its own part); every weight
+    must be there with its shape."""
     if state is None:
         return
-    if not any(isinstance(p, DTensor) for p in model.parameters()):
-        try:
-            load_state_dict_exactly(model, state, "the pretrained checkpoint")
-        except ValueError as error:
-            raise ConfigError(f"{error}; {PRETRAINED_MISMATCH}") from None
-        return
-    result = set_model_state_dict(model, state, options=StateDictOptions(full_state_dict=True, strict=False))
-    missing = [key for key in result.missing_keys if not key.endswith("_extra_state")]
-    if missing or result.unexpected_keys:
-        raise ConfigError(
-            f"cannot load the pretrained checkpoint: missing keys {missing[:5]}, "
-            f"unexpected {result.unexpected_keys[:5]}; {PRETRAINED_MISMATCH}"
-        )
+    try:
+        load_full_weights(model, state, "the pretrained checkpoint")
+    except ValueError as error:
+        raise ConfigError(f"{error}; {PRETRAINED_MISMATCH}") from None
 
 
 # ------------------------------------------------------------------------------------------------ the model
@@ -264,7 +254,6 @@ def _build_megatron_fsdp(cfg, device, meshes, config, tokenizer, plan, pretraine
 
     with torch.device(device):
         model = NVGeneformerForMaskedLM(config, fp8_recipe=plan.fp8_recipe, fp4_recipe=plan.fp4_recipe)
-    apply_pretrained_weights(model, pretrained)
     if cfg.mixed_precision.enabled:
         model.to(torch.bfloat16)  # compute weights; fp32 main weights live in Megatron-FSDP's buffers
     model_flops = ModelFlops.from_model(model, config.num_hidden_layers, config.hidden_size)
@@ -287,6 +276,9 @@ def _build_megatron_fsdp(cfg, device, meshes, config, tokenizer, plan, pretraine
         mixed_precision_policy=policy,
         device=device,
     )
+    # Fine-tuning (init_from_pretrained): after sharding, into the fp32 main weights; loaded before, the weights
+    # would reach them only through the bf16 compute weights above, rounded.
+    apply_pretrained_weights(model, pretrained)
     train_model = torch.compile(model) if cfg.use_torch_compile else model
     return BuiltModel(model, train_model, config, tokenizer, plan, model_flops, "mfsdp", optimizer=optimizer)
 

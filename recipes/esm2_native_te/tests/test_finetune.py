@@ -7,30 +7,14 @@ import torch
 from convert import convert_esm_hf_to_te
 from launch import run_script
 from test_train import FAST, load_export
-from transformers import EsmConfig, EsmForMaskedLM
 
 
 NO_LEARNING = ["num_train_steps=2", "adamw_kwargs.lr=0.0", "logger.log_every=1", "checkpoint.save_every=0"]
 
 
-@pytest.fixture(scope="module")
-def stock_checkpoint(tmp_path_factory):
-    config = EsmConfig(
-        vocab_size=33, mask_token_id=32, pad_token_id=1, position_embedding_type="rotary", token_dropout=True,
-        emb_layer_norm_before=False, layer_norm_eps=1e-5, hidden_dropout_prob=0.0, attention_probs_dropout_prob=0.0,
-        max_position_embeddings=1026, num_hidden_layers=2, hidden_size=64, num_attention_heads=4, intermediate_size=128,
-    )  # fmt: skip
-    torch.manual_seed(3)
-    model = EsmForMaskedLM(config)
-    with torch.no_grad():
-        model.lm_head.bias.normal_()  # zero at init: make it something a wrong load could not reproduce
-    path = tmp_path_factory.mktemp("stock") / "esm2_tiny"
-    model.save_pretrained(path)
-    return path, model
-
-
 @pytest.mark.parametrize(("script", "nproc"), [("train_ddp.py", None), ("train_fsdp2.py", 2)])
 def test_finetune_from_stock_checkpoint_keeps_its_weights(tmp_path, stock_checkpoint, script, nproc):
+    """Converted on load; with lr=0 the export holds the stock weights exactly (FSDP2: loaded per shard)."""
     path, hf_model = stock_checkpoint
     run_script(
         script, f"output_dir={tmp_path}", f"model_tag={path}", "init_from_pretrained=true", *FAST, *NO_LEARNING,
@@ -38,6 +22,14 @@ def test_finetune_from_stock_checkpoint_keeps_its_weights(tmp_path, stock_checkp
     )  # fmt: skip
     expected = convert_esm_hf_to_te(hf_model, backend="torch").state_dict()
     assert_export_holds(tmp_path, expected, "NVEsmForMaskedLM")
+
+    # ... and the NVEsm export is a model_tag in its turn (our own layout, not the stock one): same weights again.
+    again = tmp_path / "from_export"
+    run_script(
+        script, f"output_dir={again}", f"model_tag={tmp_path / 'final_model'}", "init_from_pretrained=true", *FAST,
+        *NO_LEARNING, nproc=nproc,
+    )  # fmt: skip
+    assert_export_holds(again, expected, "NVEsmForMaskedLM")
 
 
 def assert_export_holds(output_dir, expected: dict[str, torch.Tensor], architecture: str) -> None:

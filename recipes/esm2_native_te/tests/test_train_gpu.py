@@ -10,8 +10,11 @@ from pathlib import Path
 
 import pytest
 import torch
+from convert import convert_esm_hf_to_te
 from launch import run_script
+from test_finetune import NO_LEARNING, assert_export_holds
 from test_train import (
+    FAST,
     LOSS_THRESHOLD,
     assert_export_reproduces_checkpoint,
     assert_same_as_one_larger_batch,
@@ -278,6 +281,33 @@ def test_megatron_fsdp_activation_recompute_trains_exactly_like_keeping_activati
         for run in ("plain", "recompute")
     }
     assert peak["recompute"] < peak["plain"], peak
+
+
+@pytest.mark.requires_te
+@pytest.mark.parametrize(
+    ("script", "overrides"),
+    [
+        ("train_ddp.py", ["dataset.input_format=thd"]),
+        ("train_fsdp2.py", ["dataset.input_format=thd", "+model_config_overrides.fused_residual_norm=true"]),
+        pytest.param("train_mfsdp.py", ["dataset.input_format=thd"], marks=needs_megatron_fsdp),
+    ],
+    ids=["ddp-te-layers", "fsdp2-fused-residual", "mfsdp"],
+)
+def test_finetune_on_gpu_from_a_stock_checkpoint_and_from_its_export(tmp_path, stock_checkpoint, script, overrides):
+    """A stock Hugging Face ESM-2 checkpoint loaded into the TE model on a GPU (converted on load; FSDP2 and
+    Megatron-FSDP shard it after loading): with lr 0 the export holds the stock weights exactly, and the export
+    loaded in its turn gives them again. The log names the TE backend, so the weights went through TE's layers."""
+    path, hf_model = stock_checkpoint
+    expected = convert_esm_hf_to_te(hf_model, backend="torch").state_dict()
+    source = path
+    for run in ("from_stock", "from_export"):
+        result = run_script(
+            script, f"output_dir={tmp_path / run}", f"model_tag={source}", "init_from_pretrained=true", *FAST,
+            *NO_LEARNING, "+model_config_overrides.backend=te", *overrides, nproc=1, cpu_only=False, timeout=600,
+        )  # fmt: skip
+        assert "Model: te backend" in result.stdout + result.stderr
+        assert_export_holds(tmp_path / run, expected, "NVEsmForMaskedLM")
+        source = tmp_path / run / "final_model"
 
 
 @pytest.mark.requires_multi_gpu

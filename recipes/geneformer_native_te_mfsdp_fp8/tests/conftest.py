@@ -1,11 +1,14 @@
-"""Fixtures shared by the data tests: gene tokenizers and tiny Parquet files of cells written per test."""
+"""Fixtures shared by several test modules: gene tokenizers, tiny Parquet files of cells written per test, and a
+tiny stock checkpoint in the published Geneformer layout."""
 
 from pathlib import Path
 
 import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
+import torch
 from gene_tokenizer import build_gene_tokenizer
+from transformers import BertConfig, BertForMaskedLM
 
 
 @pytest.fixture(scope="session")
@@ -32,3 +35,21 @@ def write_cells(tmp_path):
         return path
 
     return write
+
+
+@pytest.fixture(scope="module")
+def stock_checkpoint(tmp_path_factory):
+    """A tiny stock Hugging Face ``BertForMaskedLM`` with Geneformer's settings (random weights), saved with
+    ``save_pretrained``: the layout of the published Geneformer checkpoints."""
+    config = BertConfig(
+        vocab_size=25_426, hidden_size=64, num_hidden_layers=2, num_attention_heads=4, intermediate_size=128,
+        hidden_act="relu", max_position_embeddings=512, layer_norm_eps=1e-12, hidden_dropout_prob=0.02,
+        attention_probs_dropout_prob=0.02, pad_token_id=0,
+    )  # fmt: skip
+    torch.manual_seed(3)
+    model = BertForMaskedLM(config)
+    with torch.no_grad():
+        model.cls.predictions.bias.normal_()  # zero at init: make it something a wrong load could not reproduce
+    path = tmp_path_factory.mktemp("stock") / "geneformer_tiny"
+    model.save_pretrained(path)
+    return path, model

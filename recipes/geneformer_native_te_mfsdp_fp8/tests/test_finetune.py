@@ -8,28 +8,11 @@ import torch
 from convert import convert_geneformer_hf_to_te
 from launch import run_script
 from test_train import FAST, load_export
-from transformers import BertConfig, BertForMaskedLM
 
 
 NO_LEARNING = ["num_train_steps=2", "adamw_kwargs.lr=0.0", "logger.log_every=1", "dataset.num_workers=0"]
 # The 10m config: no model_config_overrides (L0_sanity's narrow the model, and the pretrained weights fix the shape).
 FINETUNE = ["--config-name", "10m", "dataset.path=data/sanity_cells.parquet", *FAST, *NO_LEARNING]
-
-
-@pytest.fixture(scope="module")
-def stock_checkpoint(tmp_path_factory):
-    config = BertConfig(
-        vocab_size=25_426, hidden_size=64, num_hidden_layers=2, num_attention_heads=4, intermediate_size=128,
-        hidden_act="relu", max_position_embeddings=512, layer_norm_eps=1e-12, hidden_dropout_prob=0.02,
-        attention_probs_dropout_prob=0.02, pad_token_id=0,
-    )  # fmt: skip
-    torch.manual_seed(3)
-    model = BertForMaskedLM(config)
-    with torch.no_grad():
-        model.cls.predictions.bias.normal_()  # zero at init: make it something a wrong load could not reproduce
-    path = tmp_path_factory.mktemp("stock") / "geneformer_tiny"
-    model.save_pretrained(path)
-    return path, model
 
 
 def assert_export_holds(output_dir, expected: dict[str, torch.Tensor]) -> None:

@@ -13,7 +13,9 @@ from pathlib import Path
 
 import pytest
 import torch
+from convert import convert_geneformer_hf_to_te
 from launch import run_script
+from test_finetune import FINETUNE, assert_export_holds
 from test_train import (
     LOSS_THRESHOLD,
     assert_export_reproduces_checkpoint,
@@ -209,6 +211,27 @@ def test_benchmark_configs_run_at_full_size(tmp_path, config, fp8):
     assert metrics[-1]["step"] == 10 and metrics[-1]["loss"] < metrics[0]["loss"]
     assert (tmp_path / "final_model" / "model.safetensors").is_file()
     assert [r["step"] for r in validation_records(tmp_path)] == [10]
+
+
+@pytest.mark.requires_te
+@pytest.mark.parametrize(
+    "script", ["train_fsdp2.py", pytest.param("train_mfsdp.py", marks=needs_megatron_fsdp)], ids=["fsdp2", "mfsdp"]
+)
+def test_finetune_on_gpu_from_a_stock_checkpoint_and_from_its_export(tmp_path, stock_checkpoint, script):
+    """A stock Geneformer checkpoint loaded into TE's layers on a GPU, sharded by FSDP2 or by Megatron-FSDP (into its
+    fp32 main weights): with lr 0 the export holds the stock weights exactly, and the export loaded in its turn gives
+    them again. (DDP loads the whole model as on the CPU.)"""
+    path, hf_model = stock_checkpoint
+    expected = convert_geneformer_hf_to_te(hf_model, backend="torch").state_dict()
+    source = path
+    for run in ("from_stock", "from_export"):
+        result = run_script(
+            script, *FINETUNE, f"output_dir={tmp_path / run}", f"model_tag={source}", "init_from_pretrained=true",
+            "+model_config_overrides.backend=te", nproc=1, cpu_only=False, timeout=600,
+        )  # fmt: skip
+        assert "te backend" in result.stdout + result.stderr
+        assert_export_holds(tmp_path / run, expected)
+        source = tmp_path / run / "final_model"
 
 
 @pytest.mark.requires_multi_gpu
