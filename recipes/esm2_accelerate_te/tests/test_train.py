@@ -5,14 +5,18 @@ References are independent of the code under test: the loss must fall below the 
 exactly, and the export must hold the weights of the last checkpoint.
 """
 
+import json
 import math
 import os
+import re
 from pathlib import Path
 
 import pytest
 import torch
 from accelerate_run import FAST, TINY_ESM2, accelerate_launch, read_metrics, read_summary
-from safetensors.torch import load_file
+from convert_amplify import convert_amplify_te_to_hf
+from modeling_amplify_te import NVAmplifyConfig, NVAmplifyForMaskedLM
+from safetensors.torch import load_file, save_file
 from transformers import AutoConfig, AutoModelForMaskedLM
 
 
@@ -149,6 +153,97 @@ def test_fine_tuning_starts_from_a_stock_checkpoint(tmp_path):
     tokens = torch.tensor([[0, 5, 6, 32, 7, 9, 2]])  # <cls> L A <mask> G ... <eos>
     with torch.no_grad():
         torch.testing.assert_close(exported.eval()(input_ids=tokens).logits, stock(input_ids=tokens).logits)
+
+
+# lr 0 (and no warm-up, so no step sees another rate): two optimizer steps that leave every weight as it was loaded.
+NO_LEARNING = ["adamw_kwargs.lr=0.0", "lr_scheduler_kwargs.num_warmup_steps=0", "num_train_steps=2"]
+MISSING_WEIGHT = "transformer_encoder.1.ffn.w3.weight"
+
+
+@pytest.fixture(scope="module")
+def published_amplify(tmp_path_factory):
+    """A tiny AMPLIFY in the published layout (chandar-lab's keys in model.safetensors, config.json with
+    ``model_type: AMPLIFY``), written by this recipe's converter from a random NVAmplify model. Returns the directory,
+    the published state dict and config, and the NV model's own weights: what a load must give back exactly."""
+    torch.manual_seed(5)
+    model = NVAmplifyForMaskedLM(
+        NVAmplifyConfig(
+            hidden_size=64, num_hidden_layers=2, num_attention_heads=4, intermediate_size=256, backend="torch"
+        )
+    )
+    with torch.no_grad():
+        model.decoder.bias.normal_()  # zero at init: make it something a wrong load could not reproduce
+        # The published layout has no vocabulary padding and the load pads with zeros: zero the padding here too, so
+        # that the NV model's weights are the reference for every row.
+        for padded in (model.amplify.embeddings.weight, model.decoder.weight, model.decoder.bias):
+            padded[model.config.vocab_size :] = 0
+    state_dict, config = convert_amplify_te_to_hf(model)
+    assert config["model_type"] == "AMPLIFY" and "encoder.weight" in state_dict and MISSING_WEIGHT in state_dict
+    path = tmp_path_factory.mktemp("published") / "AMPLIFY_tiny"
+    path.mkdir()
+    save_file(state_dict, path / "model.safetensors")
+    (path / "config.json").write_text(json.dumps(config))
+    expected = {k: v.clone() for k, v in model.state_dict().items() if not k.endswith("_extra_state")}
+    return path, state_dict, config, expected
+
+
+def assert_export_holds(run: Path, expected: dict[str, torch.Tensor]) -> None:
+    """``run``'s export is an NVAmplify directory whose weights are exactly ``expected``, key for key, and it loads
+    with AutoModelForMaskedLM (trust_remote_code) holding them."""
+    export_dir = run / "final_model"
+    assert json.loads((export_dir / "config.json").read_text())["architectures"] == ["NVAmplifyForMaskedLM"]
+    exported = load_file(export_dir / "model.safetensors")
+    assert sorted(exported) == sorted(expected)
+    for key, value in expected.items():
+        assert torch.equal(exported[key], value), key
+    config = AutoConfig.from_pretrained(export_dir, trust_remote_code=True, backend="torch")
+    loaded = AutoModelForMaskedLM.from_pretrained(export_dir, config=config, trust_remote_code=True).state_dict()
+    for key, value in expected.items():
+        assert torch.equal(loaded[key], value), key
+
+
+def test_fine_tuning_starts_from_a_published_amplify_checkpoint(tmp_path, published_amplify):
+    """init_from_pretrained=true converts a published AMPLIFY checkpoint on load: with lr 0 the export holds exactly
+    the weights the checkpoint was written from; and that export (an NVAmplify directory) is a model_tag to fine-tune
+    from in its turn, giving the same weights again."""
+    path, _, _, expected = published_amplify
+    first = tmp_path / "from_published"
+    result = accelerate_launch(
+        "cpu.yaml", f"output_dir={first}", f"model_tag={path}", "init_from_pretrained=true", *FAST, *NO_LEARNING
+    )
+    assert "Fine-tuning from the weights in" in result.stdout + result.stderr
+    assert [m["step"] for m in read_metrics(first)][-1] == 2
+    assert_export_holds(first, expected)
+
+    second = tmp_path / "from_export"
+    accelerate_launch(
+        "cpu.yaml", f"output_dir={second}", f"model_tag={first / 'final_model'}", "init_from_pretrained=true", *FAST,
+        *NO_LEARNING,
+    )  # fmt: skip
+    assert_export_holds(second, expected)
+
+
+def test_published_amplify_checkpoint_with_a_missing_weight_names_it(tmp_path, published_amplify):
+    """A published checkpoint without one of its weights fails at start, in one line naming the weight, before any
+    checkpoint (or export) is written."""
+    _, state_dict, config, _ = published_amplify
+    broken = tmp_path / "broken"
+    broken.mkdir()
+    save_file({k: v for k, v in state_dict.items() if k != MISSING_WEIGHT}, broken / "model.safetensors")
+    (broken / "config.json").write_text(json.dumps(config))
+    run = tmp_path / "run"
+    result = accelerate_launch(
+        "cpu.yaml", f"output_dir={run}", f"model_tag={broken}", "init_from_pretrained=true", *FAST, *NO_LEARNING,
+        expect_failure=True,
+    )  # fmt: skip
+    # train.py says it in one line and exits with 2 (a user error); the launcher above it reports that with its own
+    # traceback and exit status 1, which is accelerate's, not the recipe's.
+    errors = [line for line in result.stderr.splitlines() if line.startswith("error: ")]
+    assert len(errors) == 1, result.stderr[-3000:]
+    assert f"missing keys ['{MISSING_WEIGHT}']" in errors[0] and str(broken) in errors[0], errors[0]
+    assert re.search(r"exitcode\s*:\s*2\b", result.stderr), result.stderr[-3000:]
+    assert 'train.py", line' not in result.stderr, result.stderr[-3000:]  # no traceback from the recipe
+    assert not list(run.glob("checkpoint-*")) and not (run / "final_model").exists()
 
 
 def _native_recipe() -> Path:

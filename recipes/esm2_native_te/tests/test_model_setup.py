@@ -28,6 +28,7 @@ from torch.distributed.fsdp import FSDPModule, MixedPrecisionPolicy
 from torch.nn.parallel import DistributedDataParallel
 
 
+CPU = torch.device("cpu")
 CONFIG_DIR = Path(__file__).resolve().parent.parent / "hydra_config"
 TINY = (
     "+model_config_overrides={num_hidden_layers: 2, hidden_size: 64, intermediate_size: 128, num_attention_heads: 4}"
@@ -42,16 +43,18 @@ def one_process_group():
     dist.destroy_process_group()
 
 
-def bf16_cfg(*overrides: str):
+def bf16_cfg(*overrides: str, backend: str = "torch"):
+    """L0_sanity's tiny shape, bf16 compute on any device; the torch backend unless asked (so a GPU machine runs the
+    CPU tests as a CPU machine does)."""
     with initialize_config_dir(config_dir=str(CONFIG_DIR), version_base="1.3"):
         return compose(
             config_name="L0_sanity",
             overrides=["output_dir=unused", "mixed_precision.on_cpu=true", "mixed_precision.fp32_master_weights=true"]
-            + [TINY, *overrides],
+            + [TINY, f"+model_config_overrides.backend={backend}", *overrides],
         )
 
 
-def what_reaches_the_attention(built) -> dict[str, torch.dtype]:
+def what_reaches_the_attention(built, device: torch.device = CPU) -> dict[str, torch.dtype]:
     """dtypes of the hidden states and the rotary table that the first sharded layer's attention receives."""
     layer = built.model.esm.encoder.layers[0]
     assert isinstance(layer, FSDPModule)
@@ -62,7 +65,7 @@ def what_reaches_the_attention(built) -> dict[str, torch.dtype]:
         seen["rotary"] = kwargs["rotary_pos_emb"].dtype
 
     handle = layer.self_attention.register_forward_pre_hook(record, with_kwargs=True)
-    input_ids = torch.tensor([[0, 5, 6, 7, 8, 9, 10, 11, 32, 12, 13, 2]])
+    input_ids = torch.tensor([[0, 5, 6, 7, 8, 9, 10, 11, 32, 12, 13, 2]], device=device)
     labels = torch.full_like(input_ids, -100)
     labels[0, 8] = 14
     try:
@@ -73,8 +76,7 @@ def what_reaches_the_attention(built) -> dict[str, torch.dtype]:
     return seen
 
 
-def build_fsdp2(cfg):
-    device = torch.device("cpu")
+def build_fsdp2(cfg, device: torch.device = CPU):
     return build_model(cfg, device, build_meshes(DistributedConfig(), device), strategy="fsdp2")
 
 
@@ -91,6 +93,68 @@ def test_the_probe_sees_bf16_when_the_policy_casts_forward_inputs(one_process_gr
     casting = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32, cast_forward_inputs=True)
     monkeypatch.setattr(model_setup, "mixed_precision_policy", lambda mp_cfg, device: casting)
     assert what_reaches_the_attention(build_fsdp2(bf16_cfg()))["rotary"] == torch.bfloat16
+
+
+@pytest.fixture
+def one_gpu_process_group():
+    """An NCCL group of one process on GPU 0 in an in-process store (FSDP2's collectives on CUDA tensors)."""
+    torch.cuda.set_device(0)
+    dist.init_process_group("nccl", store=dist.HashStore(), rank=0, world_size=1, device_id=torch.device("cuda", 0))
+    yield torch.device("cuda", 0)
+    dist.destroy_process_group()
+
+
+@pytest.mark.requires_te
+def test_fsdp2_keeps_the_rotary_table_fp32_with_te_layers_on_a_gpu(one_gpu_process_group, monkeypatch):
+    """The same probe with TE's layers on a GPU, where TE applies RoPE inside attention (``fused_qkv_rope=false``:
+    the table is an argument of the sharded layer); and the control with a casting policy, which the probe catches."""
+    device = one_gpu_process_group
+    te_rope = ["+model_config_overrides.fused_qkv_rope=false"]
+    built = build_fsdp2(bf16_cfg(*te_rope, backend="te"), device)
+    assert built.model.backend == "te"
+    assert all(p.dtype == torch.float32 for p in built.model.parameters())
+    assert what_reaches_the_attention(built, device) == {"hidden": torch.bfloat16, "rotary": torch.float32}
+    casting = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32, cast_forward_inputs=True)
+    monkeypatch.setattr(model_setup, "mixed_precision_policy", lambda mp_cfg, device: casting)
+    casting_built = build_fsdp2(bf16_cfg(*te_rope, backend="te"), device)
+    assert what_reaches_the_attention(casting_built, device)["rotary"] == torch.bfloat16
+
+
+@pytest.mark.requires_te
+@pytest.mark.parametrize("layers", [[], ["+model_config_overrides.fused_residual_norm=true"]], ids=["te", "fused"])
+def test_fsdp2_rotates_queries_and_keys_with_an_fp32_table_on_a_gpu(one_gpu_process_group, monkeypatch, layers):
+    """The GPU default (RoPE inside the QKV projection, for TE's and for the fused layers): the sharded layers get no
+    table, and the table the projections rotate with is float32 and equal to one computed in float64 (a bf16 round
+    trip on the way would be off by up to 2**-9 relative)."""
+    device = one_gpu_process_group
+    built = build_fsdp2(bf16_cfg(*layers, backend="te"), device)
+    rotary = built.model.esm.encoder.qkv_rotary
+    tables = []
+    set_batch = rotary.set_batch
+    monkeypatch.setattr(
+        rotary, "set_batch", lambda positions, freqs=None: (tables.append(freqs), set_batch(positions, freqs))
+    )
+    layer_tables = []
+    layer = built.model.esm.encoder.layers[0]
+    handle = layer.register_forward_pre_hook(
+        lambda module, args, kwargs: layer_tables.append(kwargs.get("rotary_pos_emb")), with_kwargs=True
+    )
+    input_ids = torch.tensor([[0, 5, 6, 7, 8, 9, 10, 11, 32, 12, 13, 2]], device=device)
+    labels = torch.full_like(input_ids, -100)
+    labels[0, 8] = 14
+    try:
+        assert torch.isfinite(built.train_model(input_ids=input_ids, labels=labels).loss)
+    finally:
+        handle.remove()
+    assert layer_tables == [None]
+    (table,) = tables
+    assert table.dtype == torch.float32
+    head_dim = table.shape[-1]
+    inv_freq = 1.0 / (10000.0 ** (torch.arange(0, head_dim, 2, dtype=torch.float64) / head_dim))
+    exact = torch.outer(torch.arange(table.shape[0], dtype=torch.float64), inv_freq)
+    torch.testing.assert_close(
+        table.reshape(table.shape[0], -1)[:, : head_dim // 2].double().cpu(), exact, rtol=1e-6, atol=0
+    )
 
 
 def test_bf16_weights_without_fp32_master_weights(one_process_group):
