@@ -24,18 +24,26 @@ from torch.distributed.tensor import DTensor, Replicate, Shard
 from weight_conversion import load_state_dict_exactly
 
 
-def load_full_weights(model: torch.nn.Module, state: dict[str, torch.Tensor], source: str) -> None:
+def load_full_weights(
+    model: torch.nn.Module, state: dict[str, torch.Tensor], source: str, keep: tuple[str, ...] = ()
+) -> None:
     """Copy the full weights ``state`` into ``model`` (whole or sharded; see the module docstring).
 
-    Raises ValueError naming the keys that are missing or unexpected, or a weight whose shape differs; ``source``
-    names the checkpoint in the message. Collective for a sharded model: every rank of its mesh calls it.
+    ``keep``: weights the model keeps as they are when ``state`` has none (e.g. a new classifier for another number of
+    classes). Raises ValueError naming the keys that are missing or unexpected, or a weight whose shape differs;
+    ``source`` names the checkpoint in the message. Collective for a sharded model: every rank of its mesh calls it.
     """
     targets = model.state_dict()
+    kept = {key for key in keep if key not in state}
     if not any(isinstance(value, DTensor) for value in targets.values()):
-        load_state_dict_exactly(model, state, source)
+        load_state_dict_exactly(model, {**state, **{key: targets[key] for key in kept}}, source)
         return
     # Megatron-FSDP's state dict keys are the model's under its wrapper's "module." prefix.
-    names = {key: key.removeprefix("module.") for key in targets if not key.endswith("_extra_state")}
+    names = {
+        key: key.removeprefix("module.")
+        for key in targets
+        if not key.endswith("_extra_state") and key.removeprefix("module.") not in kept
+    }
     shapes = {name: tuple(targets[key].shape) for key, name in names.items()}
     missing = sorted(name for name in shapes if name not in state)
     unexpected = sorted(k for k in state if k not in shapes and not k.endswith("_extra_state"))

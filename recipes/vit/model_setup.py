@@ -31,6 +31,7 @@ from mixed_precision import computes_in_bf16, keeps_fp32_master_weights, mixed_p
 from modeling_vit_te import NVViTConfig, NVViTForImageClassification, resolve_backend, tensor_parallel_shard
 from omegaconf import DictConfig, OmegaConf
 from perf_logger import ModelFlops
+from pretrained_weights import load_full_weights
 from quantization import (
     QuantizationPlan,
     build_quantization,
@@ -38,10 +39,8 @@ from quantization import (
     check_quantized_gemm_shapes,
 )
 from recipe_paths import looks_like_hub_id, model_directory, recipe_path
-from torch.distributed.checkpoint.state_dict import StateDictOptions, set_model_state_dict
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 from torch.distributed.fsdp import fully_shard
-from torch.distributed.tensor import DTensor
 from torch.nn.parallel import DistributedDataParallel
 from transformers import PretrainedConfig, ViTConfig, ViTForImageClassification, ViTImageProcessor
 from user_errors import ConfigError, UnsupportedHardwareError
@@ -175,24 +174,14 @@ def load_pretrained_state_dict(cfg: DictConfig, config: NVViTConfig) -> dict[str
 
 
 def apply_pretrained_weights(model: torch.nn.Module, state: dict[str, torch.Tensor] | None) -> None:
-    """Copy ``state`` into ``model``, whole or FSDP2-sharded; every weight but a replaced classifier must be there."""
+    """Copy ``state`` into ``model``, whole or sharded (FSDP2, Megatron-FSDP: every rank its own part); every weight
+    but a replaced classifier (which keeps its init) must be there with its shape."""
     if state is None:
         return
-    if not any(isinstance(p, DTensor) for p in model.parameters()):
-        if CLASSIFIER_KEYS[0] not in state:  # a new classifier keeps its init
-            state = {**state, **{key: model.state_dict()[key] for key in CLASSIFIER_KEYS}}
-        try:
-            load_state_dict_exactly(model, state, "the pretrained checkpoint")
-        except ValueError as error:
-            raise ConfigError(f"{error}; {PRETRAINED_MISMATCH}") from None
-        return
-    result = set_model_state_dict(model, state, options=StateDictOptions(full_state_dict=True, strict=False))
-    missing = [k for k in result.missing_keys if not k.endswith("_extra_state") and k not in CLASSIFIER_KEYS]
-    if missing or result.unexpected_keys:
-        raise ConfigError(
-            f"cannot load the pretrained checkpoint: missing keys {missing[:5]}, "
-            f"unexpected {result.unexpected_keys[:5]}; {PRETRAINED_MISMATCH}"
-        )
+    try:
+        load_full_weights(model, state, "the pretrained checkpoint", keep=CLASSIFIER_KEYS)
+    except ValueError as error:
+        raise ConfigError(f"{error}; {PRETRAINED_MISMATCH}") from None
 
 
 def model_flops(model: NVViTForImageClassification, config: NVViTConfig) -> ModelFlops:
@@ -325,10 +314,19 @@ def _build_megatron_fsdp(cfg, device, meshes, config, plan, pretrained) -> Built
     mesh = meshes.fsdp
     with torch.device(device):
         model = NVViTForImageClassification(config, fp8_recipe=plan.fp8_recipe, fp4_recipe=plan.fp4_recipe)
-    apply_pretrained_weights(model, pretrained)
     flops = model_flops(model, config)  # of the whole model: tensor-parallel ranks share one model's work
     tp_rank = mesh["tp"].get_local_rank()
-    if mesh["tp"].size() > 1:
+    tensor_parallel = mesh["tp"].size() > 1
+    if tensor_parallel:
+        # Each rank's share is cut from the whole model, so the pretrained weights go in first; Megatron-FSDP's fp32
+        # main weights then start from the bf16 compute weights below (pretrained weights rounded to bf16).
+        apply_pretrained_weights(model, pretrained)
+        if pretrained is not None and cfg.mixed_precision.enabled and cfg.mixed_precision.fp32_master_weights:
+            logger.warning(
+                "mfsdp.tp=%d: the pretrained weights reach Megatron-FSDP's fp32 main weights rounded to bf16 "
+                "(without tensor parallelism they are loaded into the main weights exactly)",
+                mesh["tp"].size(),
+            )
         model = _tensor_parallel_share(model, config, plan, mesh["tp"], device)
     if cfg.mixed_precision.enabled:
         model.to(torch.bfloat16)  # compute weights; fp32 main weights live in Megatron-FSDP's buffers
@@ -354,6 +352,10 @@ def _build_megatron_fsdp(cfg, device, meshes, config, plan, pretrained) -> Built
         mixed_precision_policy=policy,
         device=device,
     )
+    if not tensor_parallel:
+        # Fine-tuning (init_from_pretrained): after sharding, into the fp32 main weights; loaded before, the weights
+        # would reach them only through the bf16 compute weights above, rounded.
+        apply_pretrained_weights(model, pretrained)
     train_model = torch.compile(model) if cfg.use_torch_compile else model
     return BuiltModel(
         model, train_model, config, plan, flops, "mfsdp", optimizer=optimizer, tensor_parallel_rank=tp_rank

@@ -1,14 +1,22 @@
-"""Fixtures of the data tests: tiny image files and class-folder trees written into ``tmp_path`` per test.
+"""Fixtures: tiny image files and class-folder trees written into ``tmp_path`` per test, the L0 set of pattern
+images, and a tiny stock Hugging Face ViT checkpoint.
 
 Images are solid colours unless asked to be textured: the red channel of image k is ``code_color(k)[0] == k``, so
 the pixels of a batch tell which images it holds, whatever crop or flip they went through.
 """
 
+import sys
 from pathlib import Path
 
 import numpy as np
 import pytest
+import torch
 from PIL import Image
+from transformers import ViTConfig, ViTForImageClassification
+
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "scripts"))
+from make_sample_images import make_sample_images
 
 
 def code_color(code: int) -> tuple[int, int, int]:
@@ -51,3 +59,33 @@ def image_tree(write_image, tmp_path):
         return tmp_path / root
 
     return make
+
+
+@pytest.fixture(scope="module")
+def images(tmp_path_factory) -> Path:
+    """The L0 set: 4 classes x 250 images (the val split takes 10%: 100 images)."""
+    root = tmp_path_factory.mktemp("data") / "sample_images"
+    make_sample_images(root)
+    return root
+
+
+def stock_vit(num_labels: int, path: Path) -> ViTForImageClassification:
+    """A tiny stock ``ViTForImageClassification`` of the L0 shape (32 pixels, patches of 4), random weights with a
+    non-zero classifier bias, saved with ``save_pretrained`` at ``path``."""
+    config = ViTConfig(
+        image_size=32, patch_size=4, hidden_size=64, num_hidden_layers=2, num_attention_heads=4, intermediate_size=128,
+        hidden_dropout_prob=0.0, attention_probs_dropout_prob=0.0, num_labels=num_labels,
+    )  # fmt: skip
+    torch.manual_seed(3)
+    model = ViTForImageClassification(config)
+    with torch.no_grad():
+        model.classifier.bias.normal_()  # zero at init: make it something a wrong load could not reproduce
+    model.save_pretrained(path)
+    return model
+
+
+@pytest.fixture(scope="module")
+def stock_checkpoint(tmp_path_factory):
+    """(directory, model): a tiny stock ViT for the L0 set's 4 classes."""
+    path = tmp_path_factory.mktemp("stock") / "vit_tiny"
+    return path, stock_vit(4, path)

@@ -9,30 +9,17 @@ two micro-batches must equal one batch twice as large, the exports must hold wha
 
 import csv
 import json
-import sys
 from pathlib import Path
 
 import pytest
 import torch
 import torch.distributed.checkpoint as dcp
-from launch import RECIPE_DIR, assert_logs_read_well_off_a_terminal, assert_user_error, run_script
+from launch import assert_logs_read_well_off_a_terminal, assert_user_error, run_script
 from modeling_vit_te import NVViTConfig, NVViTForImageClassification
 from transformers import AutoConfig, AutoModelForImageClassification
 
 
-sys.path.insert(0, str(RECIPE_DIR / "scripts"))
-from make_sample_images import make_sample_images
-
-
 SHORT = ["num_train_steps=40", "validation.every_n_steps=20", "logger.log_every=10", "dataset.num_workers=0"]
-
-
-@pytest.fixture(scope="module")
-def images(tmp_path_factory) -> Path:
-    """The L0 set: 4 classes x 250 images (the val split takes 10%: 100 images)."""
-    root = tmp_path_factory.mktemp("data") / "sample_images"
-    make_sample_images(root)
-    return root
 
 
 def train(script: str, output_dir: Path, images: Path, *overrides: str, nproc: int | None = None):

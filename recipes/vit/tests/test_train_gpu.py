@@ -11,7 +11,9 @@ import json
 from pathlib import Path
 
 import pytest
+from convert import convert_vit_hf_to_te
 from launch import run_script
+from test_finetune import assert_export_holds, finetune
 from test_train import assert_export_holds_the_checkpoint, read_jsonl
 
 
@@ -19,15 +21,6 @@ needs_megatron_fsdp = pytest.mark.skipif(
     importlib.util.find_spec("megatron_fsdp") is None, reason="megatron-fsdp is not installed"
 )
 TE = "++model_config_overrides.backend=te"
-
-
-@pytest.fixture(scope="module")
-def images(tmp_path_factory) -> Path:
-    from make_sample_images import make_sample_images  # test_train put scripts/ on the path
-
-    root = tmp_path_factory.mktemp("data") / "sample_images"
-    make_sample_images(root)
-    return root
 
 
 def train_on_gpu(script: str, output_dir: Path, images: Path, *overrides: str, nproc: int | None = 1) -> list[dict]:
@@ -120,3 +113,21 @@ def test_224_pixel_configs_run_at_full_size(tmp_path_factory, config, fp8):
     metrics = read_jsonl(out / "metrics.jsonl")
     assert metrics[-1]["step"] == 10 and all(m["loss"] == m["loss"] for m in metrics)  # finite, no NaN
     assert (out / "final_model" / "model.safetensors").is_file()
+
+
+@pytest.mark.requires_te
+@pytest.mark.parametrize(
+    "script", ["train_fsdp2.py", pytest.param("train_mfsdp.py", marks=needs_megatron_fsdp)], ids=["fsdp2", "mfsdp"]
+)
+def test_finetune_on_gpu_from_a_stock_checkpoint_and_from_its_export(tmp_path, images, stock_checkpoint, script):
+    """A stock ViT loaded into TE's layers on a GPU, sharded by FSDP2 or by Megatron-FSDP (into its fp32 main weights,
+    after sharding): with lr 0 the export holds the stock weights exactly, and the export loaded in its turn gives
+    them again."""
+    path, hf_model = stock_checkpoint
+    expected = convert_vit_hf_to_te(hf_model, backend="torch").state_dict()
+    source = path
+    for run in ("from_stock", "from_export"):
+        result = finetune(script, tmp_path / run, images, source, nproc=1, cpu_only=False)
+        assert "te backend" in result.stdout + result.stderr
+        assert_export_holds(tmp_path / run, expected)
+        source = tmp_path / run / "final_model"
