@@ -76,14 +76,18 @@ def _local_part(sharded: DTensor) -> tuple[slice, ...]:
     the lower ranks come first (a collective over each mesh dimension that shards)."""
     local_shape = sharded.to_local().shape
     starts = [0] * len(local_shape)
-    sharding_dims = [i for i, p in enumerate(sharded.placements) if isinstance(p, Shard)]
-    if len(sharding_dims) > 1 and any(sharded.device_mesh.size(i) > 1 for i in sharding_dims[1:]):
-        raise ValueError(f"a tensor sharded over {len(sharding_dims)} mesh dimensions is not supported")
+    # One sharding mesh dimension of more than one rank (FSDP2; Megatron-FSDP without tensor parallelism): nested
+    # shards of one tensor would need the order in which they were cut.
+    sharding = [
+        i for i, p in enumerate(sharded.placements) if isinstance(p, Shard) and sharded.device_mesh.size(i) > 1
+    ]
+    if len(sharding) > 1:
+        raise NotImplementedError(f"a weight sharded over {len(sharding)} mesh dimensions ({sharded.placements})")
     for mesh_dim, placement in enumerate(sharded.placements):
         if isinstance(placement, Replicate):
             continue
         if not isinstance(placement, Shard):
-            raise ValueError(f"unsupported placement {placement} of a sharded weight")
+            raise NotImplementedError(f"a weight with placement {placement}")
         group = sharded.device_mesh.get_group(mesh_dim)
         sizes = [None] * dist.get_world_size(group)
         dist.all_gather_object(sizes, local_shape[placement.dim], group=group)
