@@ -11,10 +11,10 @@ and of weights of another shape. TE's ``_extra_state`` (FP8 bookkeeping, not wei
   own ``load_state_dict``, as a resume from a checkpoint does: under Megatron-FSDP that writes the fp32 main weights
   (the parameters its optimizer updates) and, through its load hook, the bf16 compute weights rounded from them.
 
-Why not ``torch.distributed.checkpoint.state_dict.set_model_state_dict``: with TE's layers under FSDP2 it hands TE's
-attention modules an ``_extra_state`` they refuse ("Unsupported checkpoint format"; torch 2.11, TE 2.20), and it
-knows nothing of Megatron-FSDP, whose fp32 main weights would otherwise be made from the model's bf16 compute weights:
-pretrained weights rounded to bf16 before the first step.
+Why not ``torch.distributed.checkpoint.state_dict.set_model_state_dict``: with the fused TE layers under FSDP2 it
+failed at start, handing TE's attention an ``_extra_state`` it refuses ("Unsupported checkpoint format"; torch 2.11,
+TE 2.20, one H200). And why after sharding for Megatron-FSDP: weights loaded into the model before reach its fp32 main
+weights only through the bf16 compute weights, rounded.
 """
 
 import torch
