@@ -28,7 +28,7 @@ from perf_logger import PerfLogger, Profiler, quiet_progress_bars_off_a_terminal
 from quant_stats import QuantStats
 from recipe_paths import config_name
 from scheduler import get_linear_schedule_with_warmup
-from user_errors import check_config, report_user_errors
+from user_errors import ConfigError, check_config, report_user_errors
 from validation import Validator
 from validation_data import held_out_batches
 
@@ -39,6 +39,10 @@ logger = logging.getLogger(__name__)
 @report_user_errors(hydra.main(config_path="hydra_config", config_name="L0_sanity_cp", version_base="1.3"))
 def main(cfg: DictConfig) -> None:
     check_config(cfg)  # a `???` value left unset or a mistyped override (num_train_steps=abc) fails here, by name
+    if cfg.cp_size > 1 and cfg.dataset.input_format != "thd":
+        # The model's CP attention takes packed sequences only: say so now, not in the first forward pass.
+        raise ConfigError(f"context parallelism (cp_size={cfg.cp_size}) needs dataset.input_format=thd, not "
+                          f"{cfg.dataset.input_format}")  # fmt: skip
     quiet_progress_bars_off_a_terminal()  # in a log file a bar is one endless line
     dist_config, device = setup_distributed(require_process_group=True)
     if not dist_config.is_main_process():

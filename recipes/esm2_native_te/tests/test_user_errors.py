@@ -82,6 +82,12 @@ def test_misspelled_key(tmp_path):
     assert_user_error(result, "dataset.micro_batch_sise is not a config key", "did you mean dataset.micro_batch_size?")
 
 
+def test_context_parallelism_with_padded_batches(tmp_path):
+    """train_cp.py needs packed (THD) input; with BSHD it says so at start instead of failing in the first forward."""
+    result = fail("train_cp.py", tmp_path, "cp_size=2", "dataset.input_format=bshd")
+    assert_user_error(result, "context parallelism (cp_size=2) needs dataset.input_format=thd, not bshd")
+
+
 def test_value_of_the_wrong_type(tmp_path):
     result = fail("train_ddp.py", tmp_path, "dataset.max_seq_length=long")
     assert_user_error(result, "dataset.max_seq_length=long is not an integer", "give dataset.max_seq_length")
