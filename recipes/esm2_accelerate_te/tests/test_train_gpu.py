@@ -11,6 +11,7 @@ from pathlib import Path
 import pytest
 import torch
 from accelerate_run import accelerate_launch, read_metrics, read_summary
+from conftest import NO_LEARNING, assert_export_holds
 from safetensors.torch import load_file
 from transformers import AutoConfig, AutoModelForMaskedLM
 
@@ -142,6 +143,79 @@ def test_fsdp2_sharded_checkpoint_resumes_exactly(tmp_path):
         assert logged["loss"] == pytest.approx(expected["loss"], rel=1e-6, abs=1e-7), expected["step"]
         assert logged["grad_norm"] == pytest.approx(expected["grad_norm"], rel=1e-5), expected["step"]
     assert_export_loads(split, step=30)
+
+
+@pytest.mark.requires_te
+@pytest.mark.requires_multi_gpu
+def test_fsdp2_resume_on_one_gpu_continues_a_two_gpu_run(tmp_path):
+    """FSDP2 over the TE model, stopped after step 15 on 2 GPUs and relaunched on 1: the sharded checkpoint is
+    re-sharded for one process (weights, optimizer, schedule), the data goes on with the rows of the epoch that
+    neither process had read, and the run learns and exports. Restored, not restarted: the first resumed step's loss
+    is near the 2-GPU run's last, not a fresh model's ln(33) = 3.5."""
+    common = ["dataset.input_format=thd", "logger.log_every=1"]
+    train_on_gpu("fsdp2_te.yaml", tmp_path, *common, "stop_after_steps=15", steps=30, num_processes=2)
+    before = read_metrics(tmp_path)
+    assert (tmp_path / "checkpoint-15" / "COMPLETE").is_file() and [m["step"] for m in before][-1] == 15
+    schedule = [f"output_dir={tmp_path}", "num_train_steps=30", *common]
+    result = accelerate_launch("fsdp2_te.yaml", *schedule, num_processes=1, cpu_only=False)
+    log = result.stdout + result.stderr
+    assert "written by 2 processes, this run has 1" in log and "dealt out to 1 DP rank(s)" in log
+    metrics = read_metrics(tmp_path)
+    assert [m["step"] for m in metrics] == list(range(1, 31))
+    last_two_gpu = sum(m["loss"] for m in before[-5:]) / 5
+    assert metrics[15]["loss"] < last_two_gpu + 0.3 < 3.3, (last_two_gpu, metrics[15]["loss"])
+    assert_export_loads(tmp_path, step=30)
+
+
+@pytest.mark.requires_te
+@pytest.mark.parametrize(
+    "num_processes", [1, pytest.param(2, marks=pytest.mark.requires_multi_gpu)], ids=["1gpu", "2gpu"]
+)
+def test_fsdp2_fine_tuning_from_a_published_amplify_checkpoint(tmp_path, published_amplify, num_processes):
+    """FSDP2 over the TE model, fine-tuning from a published-layout AMPLIFY checkpoint (converted on load, then
+    sharded by accelerate): with lr 0 the export holds exactly the weights the checkpoint was written from, and so
+    does a second fine-tuning from that export."""
+    path, _, _, expected = published_amplify
+    source = path
+    for run in ("from_published", "from_export"):
+        result = accelerate_launch(
+            "fsdp2_te.yaml", f"output_dir={tmp_path / run}", f"model_tag={source}", "init_from_pretrained=true",
+            "dataset.input_format=thd", *NO_LEARNING, num_processes=num_processes, cpu_only=False,
+        )  # fmt: skip
+        assert "Fine-tuning from the weights in" in result.stdout + result.stderr
+        assert_export_holds(tmp_path / run, expected)
+        source = tmp_path / run / "final_model"
+
+
+@pytest.mark.requires_te
+@pytest.mark.requires_multi_gpu
+def test_fsdp2_fine_tuning_from_a_stock_esm2_checkpoint_on_two_gpus(tmp_path):
+    """FSDP2 over the TE model on 2 GPUs, fine-tuning from a stock Hugging Face ESM-2 checkpoint: with lr 0 the
+    export holds exactly the stock weights, converted to this recipe's names."""
+    from convert import convert_esm_hf_to_te
+    from transformers import EsmConfig, EsmForMaskedLM
+
+    torch.manual_seed(0)
+    stock_config = EsmConfig(
+        vocab_size=33, hidden_size=64, num_hidden_layers=2, num_attention_heads=4, intermediate_size=256,
+        max_position_embeddings=1026, position_embedding_type="rotary", pad_token_id=1, mask_token_id=32,
+        token_dropout=True, emb_layer_norm_before=False,
+    )  # fmt: skip
+    stock = EsmForMaskedLM(stock_config).eval()
+    stock.save_pretrained(tmp_path / "stock")
+    expected = {
+        key: value
+        for key, value in convert_esm_hf_to_te(stock, backend="torch").state_dict().items()
+        if not key.endswith("_extra_state")
+    }
+    run = tmp_path / "run"
+    accelerate_launch(
+        "fsdp2_te.yaml", f"output_dir={run}", f"model_tag={tmp_path / 'stock'}", "init_from_pretrained=true",
+        "dataset.input_format=thd", *NO_LEARNING, num_processes=2, cpu_only=False,
+    )  # fmt: skip
+    exported = load_file(run / "final_model" / "model.safetensors")
+    for key, value in expected.items():
+        assert torch.equal(exported[key], value), key
 
 
 @pytest.mark.requires_te

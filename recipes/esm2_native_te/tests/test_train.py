@@ -231,7 +231,10 @@ def test_context_parallel_on_two_cpu_processes_converges_and_exports(tmp_path):
             "train_fsdp2.py",
             ["mixed_precision.on_cpu=true", "mixed_precision.fp32_master_weights=false", "dataset.num_workers=0"],
         ),
+        # Context parallelism (each sequence split over the 2 ranks, one DP rank) with gradient accumulation.
+        ("train_cp.py", ["cp_size=2", "dataset.input_format=thd", "grad_acc_steps=2", "dataset.num_workers=0"]),
     ],
+    ids=["ddp", "fsdp2", "fsdp2-bf16-weights", "cp"],
 )
 def test_stop_and_go_matches_uninterrupted_run(tmp_path, script, extra):
     """80 steps in one go vs 40 + resume + 40: identical losses, gradient norms and final weights."""
@@ -290,11 +293,25 @@ def test_micro_batches_of_b_hold_the_samples_and_masks_of_one_batch_of_2b():
     assert unequal
 
 
-@pytest.mark.parametrize("script", ["train_ddp.py", "train_fsdp2.py"])
-def test_grad_accumulation_equals_one_larger_batch(tmp_path, script):
-    """grad_acc_steps=2 x 2 sequences per rank == 1 x 4 sequences, on 2 ranks: the same per-step losses and final
-    weights. Equal in exact arithmetic because each micro-batch is weighted by its share of the step's masked tokens
-    (see the premise above); what differs is float rounding (BSHD padding lengths, summation order)."""
+# Context parallelism takes packed (THD) batches, cut by a token budget. Sequences cut to 32 tokens (every one of the
+# sanity set is longer) make a budget of 64 tokens two sequences and one of 128 four, as micro_batch_size does.
+SAME_LENGTH_THD = ["cp_size=2", "dataset.input_format=thd", "dataset.max_seq_length=32"]
+
+
+@pytest.mark.parametrize(
+    ("script", "extra", "small", "large"),
+    [
+        ("train_ddp.py", [], "dataset.micro_batch_size=2", "dataset.micro_batch_size=4"),
+        ("train_fsdp2.py", [], "dataset.micro_batch_size=2", "dataset.micro_batch_size=4"),
+        ("train_cp.py", SAME_LENGTH_THD, "dataset.token_budget=64", "dataset.token_budget=128"),
+    ],
+    ids=["ddp", "fsdp2", "cp"],
+)
+def test_grad_accumulation_equals_one_larger_batch(tmp_path, script, extra, small, large):
+    """grad_acc_steps=2 x 2 sequences per rank == 1 x 4 sequences, on 2 ranks (with CP: one DP rank, each sequence
+    split over both): the same per-step losses and final weights. Equal in exact arithmetic because each micro-batch
+    is weighted by its share of the step's masked tokens (see the premise above); what differs is float rounding (BSHD
+    padding lengths, summation order)."""
     common = [
         *CONVERGE,
         "num_train_steps=3",
@@ -303,9 +320,10 @@ def test_grad_accumulation_equals_one_larger_batch(tmp_path, script):
         "dataset.num_workers=0",
         "adamw_kwargs.eps=1e-3",  # Adam divides by sqrt(v) + eps: keep float noise in tiny gradients from flipping signs
         "checkpoint.save_final=false",
+        *extra,
     ]
-    train(script, tmp_path / "acc", *common, "dataset.micro_batch_size=2", "grad_acc_steps=2", nproc=2)
-    train(script, tmp_path / "big", *common, "dataset.micro_batch_size=4", "grad_acc_steps=1", nproc=2)
+    train(script, tmp_path / "acc", *common, small, "grad_acc_steps=2", nproc=2)
+    train(script, tmp_path / "big", *common, large, "grad_acc_steps=1", nproc=2)
     assert_same_as_one_larger_batch(tmp_path / "acc", tmp_path / "big")
 
 

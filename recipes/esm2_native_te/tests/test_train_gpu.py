@@ -4,6 +4,7 @@ The 8M-parameter L0 sanity model trains for 100 steps; the references are the sa
 residue background entropy, and an export that reproduces the checkpointed weights.
 """
 
+import functools
 import importlib.util
 import json
 from pathlib import Path
@@ -283,27 +284,36 @@ def test_megatron_fsdp_activation_recompute_trains_exactly_like_keeping_activati
     assert peak["recompute"] < peak["plain"], peak
 
 
+two_gpus = pytest.mark.requires_multi_gpu
+
+
 @pytest.mark.requires_te
 @pytest.mark.parametrize(
-    ("script", "overrides"),
+    ("script", "overrides", "nproc"),
     [
-        ("train_ddp.py", ["dataset.input_format=thd"]),
-        ("train_fsdp2.py", ["dataset.input_format=thd", "+model_config_overrides.fused_residual_norm=true"]),
-        pytest.param("train_mfsdp.py", ["dataset.input_format=thd"], marks=needs_megatron_fsdp),
+        ("train_ddp.py", ["dataset.input_format=thd"], 1),
+        ("train_fsdp2.py", ["dataset.input_format=thd", "+model_config_overrides.fused_residual_norm=true"], 1),
+        pytest.param("train_mfsdp.py", ["dataset.input_format=thd"], 1, marks=needs_megatron_fsdp),
+        # Two ranks: each copies its own rows of every full tensor into its shard (common/pretrained_weights.py).
+        pytest.param("train_fsdp2.py", ["dataset.input_format=thd"], 2, marks=two_gpus),
+        pytest.param("train_mfsdp.py", ["dataset.input_format=thd"], 2, marks=[needs_megatron_fsdp, two_gpus]),
     ],
-    ids=["ddp-te-layers", "fsdp2-fused-residual", "mfsdp"],
+    ids=["ddp-te-layers", "fsdp2-fused-residual", "mfsdp", "fsdp2-2gpu", "mfsdp-2gpu"],
 )
-def test_finetune_on_gpu_from_a_stock_checkpoint_and_from_its_export(tmp_path, stock_checkpoint, script, overrides):
-    """A stock Hugging Face ESM-2 checkpoint loaded into the TE model on a GPU (converted on load; FSDP2 and
-    Megatron-FSDP shard it after loading): with lr 0 the export holds the stock weights exactly, and the export
-    loaded in its turn gives them again. The log names the TE backend, so the weights went through TE's layers."""
+def test_finetune_on_gpu_from_a_stock_checkpoint_and_from_its_export(
+    tmp_path, stock_checkpoint, script, overrides, nproc
+):
+    """A stock Hugging Face ESM-2 checkpoint loaded into the TE model on GPUs (converted on load; FSDP2 and
+    Megatron-FSDP shard the model first and each rank loads its shard): with lr 0 the export holds the stock weights
+    exactly, and the export loaded in its turn gives them again. The log names the TE backend, so the weights went
+    through TE's layers."""
     path, hf_model = stock_checkpoint
     expected = convert_esm_hf_to_te(hf_model, backend="torch").state_dict()
     source = path
     for run in ("from_stock", "from_export"):
         result = run_script(
             script, f"output_dir={tmp_path / run}", f"model_tag={source}", "init_from_pretrained=true", *FAST,
-            *NO_LEARNING, "+model_config_overrides.backend=te", *overrides, nproc=1, cpu_only=False, timeout=600,
+            *NO_LEARNING, "+model_config_overrides.backend=te", *overrides, nproc=nproc, cpu_only=False, timeout=600,
         )  # fmt: skip
         assert "Model: te backend" in result.stdout + result.stderr
         assert_export_holds(tmp_path / run, expected, "NVEsmForMaskedLM")
@@ -312,8 +322,12 @@ def test_finetune_on_gpu_from_a_stock_checkpoint_and_from_its_export(tmp_path, s
 
 @pytest.mark.requires_multi_gpu
 @pytest.mark.requires_te
-def test_context_parallel_learns_and_exports(tmp_path):
-    metrics = train_on_gpu("train_cp.py", tmp_path, VALIDATE, nproc=2, config_name="L0_sanity_cp")
+@pytest.mark.parametrize("overrides", [[], ["use_torch_compile=true"]], ids=["eager", "compile"])
+def test_context_parallel_learns_and_exports(tmp_path, overrides):
+    """TE's ring attention over 2 GPUs (THD): learns, exports the checkpoint's weights, and the held-out loss logged
+    at steps 50 and 100 (each CP rank scoring its share of every held-out sequence) equals one CPU process scoring the
+    export. Also with torch.compile."""
+    metrics = train_on_gpu("train_cp.py", tmp_path, VALIDATE, *overrides, nproc=2, config_name="L0_sanity_cp")
     assert_learned(metrics)
     assert_export_reproduces_checkpoint(tmp_path, step=100)
     cp_batching = {"max_seq_length": 256, "micro_batch_size": 8, "token_budget": 4096}  # L0_sanity_cp's
@@ -330,3 +344,44 @@ def test_two_gpus_learn(tmp_path, script):
     assert_learned(train_on_gpu(script, tmp_path, "dataset.input_format=thd", nproc=2))
     if script == "train_mfsdp.py":  # the sharded checkpoint and the gathered export, written by two ranks
         assert_export_reproduces_checkpoint(tmp_path, step=100)
+
+
+@pytest.mark.requires_multi_gpu
+@pytest.mark.requires_te
+def test_context_parallel_stop_and_go_matches_uninterrupted_run(tmp_path):
+    """CP over 2 GPUs with TE, two micro-batches a step: 40 steps in one go and 20 + resume + 20 log the same
+    losses, gradient norms and held-out losses bit for bit and export the same weights (TE's deterministic attention
+    backward)."""
+    common = ["grad_acc_steps=2", "logger.log_every=1", "validation.every_n_steps=20"]
+    run = functools.partial(
+        train_on_gpu, "train_cp.py", nproc=2, steps=40, config_name="L0_sanity_cp", env=DETERMINISTIC
+    )
+    run(tmp_path / "full", *common)
+    run(tmp_path / "resumed", *common, "num_train_steps=20")
+    run(tmp_path / "resumed", *common)
+    assert [m["step"] for m in read_metrics(tmp_path / "resumed")] == list(range(1, 41))
+    assert_same_run(tmp_path / "full", tmp_path / "resumed")
+
+
+@pytest.mark.requires_multi_gpu
+@pytest.mark.requires_te
+@needs_megatron_fsdp
+def test_megatron_fsdp_resume_on_one_gpu_continues_a_two_gpu_run(tmp_path):
+    """Megatron-FSDP, THD: 50 steps on 2 GPUs, then the same command on 1 GPU resumes them (its checkpoint re-sharded
+    for one rank: fp32 main weights, AdamW moments, schedule), reads the epoch's sequences that neither rank had read,
+    trains to 100 and exports the final checkpoint's weights. Restored, not restarted: the first resumed step's loss
+    is the 2-GPU run's, not a fresh model's ln(33) = 3.5."""
+    common = ["+model_config_overrides.backend=te", "dataset.input_format=thd", "logger.log_every=1"]
+    train_on_gpu("train_mfsdp.py", tmp_path, *common, "num_train_steps=50", nproc=2)
+    before = read_metrics(tmp_path)
+    args = [f"output_dir={tmp_path}", "num_train_steps=100", "checkpoint.save_every=50", *common]
+    result = run_script("train_mfsdp.py", *args, nproc=1, cpu_only=False, timeout=600)
+    log = result.stdout + result.stderr
+    assert "was written by 2 ranks, this run has 1" in log
+    assert "2 DP ranks had read" in log and "dealt out to 1 DP rank(s)" in log
+    metrics = read_metrics(tmp_path)
+    assert [m["step"] for m in metrics] == list(range(1, 101))
+    last_two_gpu = sum(m["loss"] for m in before[-5:]) / 5
+    assert metrics[50]["loss"] < last_two_gpu + 0.3 < 3.3, (last_two_gpu, metrics[50]["loss"])
+    assert_learned(metrics)
+    assert_export_reproduces_checkpoint(tmp_path, step=100)

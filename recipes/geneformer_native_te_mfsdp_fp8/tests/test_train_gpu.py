@@ -213,21 +213,32 @@ def test_benchmark_configs_run_at_full_size(tmp_path, config, fp8):
     assert [r["step"] for r in validation_records(tmp_path)] == [10]
 
 
+two_gpus = pytest.mark.requires_multi_gpu
+
+
 @pytest.mark.requires_te
 @pytest.mark.parametrize(
-    "script", ["train_fsdp2.py", pytest.param("train_mfsdp.py", marks=needs_megatron_fsdp)], ids=["fsdp2", "mfsdp"]
+    ("script", "nproc"),
+    [
+        ("train_fsdp2.py", 1),
+        pytest.param("train_mfsdp.py", 1, marks=needs_megatron_fsdp),
+        # Two ranks: each copies its own rows of every full tensor into its shard (common/pretrained_weights.py).
+        pytest.param("train_fsdp2.py", 2, marks=two_gpus),
+        pytest.param("train_mfsdp.py", 2, marks=[needs_megatron_fsdp, two_gpus]),
+    ],
+    ids=["fsdp2", "mfsdp", "fsdp2-2gpu", "mfsdp-2gpu"],
 )
-def test_finetune_on_gpu_from_a_stock_checkpoint_and_from_its_export(tmp_path, stock_checkpoint, script):
-    """A stock Geneformer checkpoint loaded into TE's layers on a GPU, sharded by FSDP2 or by Megatron-FSDP (into its
-    fp32 main weights): with lr 0 the export holds the stock weights exactly, and the export loaded in its turn gives
-    them again. (DDP loads the whole model as on the CPU.)"""
+def test_finetune_on_gpu_from_a_stock_checkpoint_and_from_its_export(tmp_path, stock_checkpoint, script, nproc):
+    """A stock Geneformer checkpoint loaded into TE's layers on GPUs, sharded by FSDP2 or by Megatron-FSDP (into its
+    fp32 main weights; each rank loads its shard): with lr 0 the export holds the stock weights exactly, and the
+    export loaded in its turn gives them again. (DDP loads the whole model as on the CPU.)"""
     path, hf_model = stock_checkpoint
     expected = convert_geneformer_hf_to_te(hf_model, backend="torch").state_dict()
     source = path
     for run in ("from_stock", "from_export"):
         result = run_script(
             script, *FINETUNE, f"output_dir={tmp_path / run}", f"model_tag={source}", "init_from_pretrained=true",
-            "+model_config_overrides.backend=te", nproc=1, cpu_only=False, timeout=600,
+            "+model_config_overrides.backend=te", nproc=nproc, cpu_only=False, timeout=600,
         )  # fmt: skip
         assert "te backend" in result.stdout + result.stderr
         assert_export_holds(tmp_path / run, expected)
@@ -244,3 +255,27 @@ def test_two_gpus_learn(tmp_path, script):
         assert_export_reproduces_checkpoint(tmp_path, step=100)
     # The held-out cells split over the two GPUs: together, what one CPU process computes for the export.
     assert_validation_is_the_exports_held_out_loss(tmp_path, [50, 100], L0_BATCHING, "thd", rel=0.02)
+
+
+@pytest.mark.requires_multi_gpu
+@pytest.mark.requires_te
+@needs_megatron_fsdp
+def test_megatron_fsdp_resume_on_two_gpus_continues_a_one_gpu_run(tmp_path):
+    """Megatron-FSDP, packed cells: 50 steps on 1 GPU, then the same command on 2 GPUs resumes them (its checkpoint
+    re-sharded over two ranks: fp32 main weights, AdamW moments, schedule), deals the epoch's unread cells out to both
+    ranks, trains to 100 and exports the final checkpoint's weights, gathered from the two ranks. Restored, not
+    restarted: the first resumed step's loss is the 1-GPU run's, not a fresh model's."""
+    common = ["+model_config_overrides.backend=te", "dataset.input_format=thd", "logger.log_every=1"]
+    train_on_gpu("train_mfsdp.py", tmp_path, *common, "num_train_steps=50", nproc=1)
+    before = read_metrics(tmp_path)
+    args = [f"output_dir={tmp_path}", "num_train_steps=100", "checkpoint.save_every=50", *common]
+    result = run_script("train_mfsdp.py", *args, nproc=2, cpu_only=False, timeout=600)
+    log = result.stdout + result.stderr
+    assert "was written by 1 ranks, this run has 2" in log
+    assert "1 DP ranks had read" in log and "dealt out to 2 DP rank(s)" in log
+    metrics = read_metrics(tmp_path)
+    assert [m["step"] for m in metrics] == list(range(1, 101))
+    last_one_gpu = sum(m["loss"] for m in before[-5:]) / 5
+    assert metrics[50]["loss"] < last_one_gpu + 0.5 < before[0]["loss"], (before[0]["loss"], last_one_gpu, metrics[50])
+    assert_learned(metrics)
+    assert_export_reproduces_checkpoint(tmp_path, step=100)

@@ -18,10 +18,10 @@ NO_LEARNING = [
 ]  # fmt: skip
 
 
-def finetune(script: str, output_dir, images, model_tag, nproc=None, **kwargs):
+def finetune(script: str, output_dir, images, model_tag, *overrides: str, nproc=None, **kwargs):
     return run_script(
         script, f"output_dir={output_dir}", f"dataset.path={images}", f"model_tag={model_tag}",
-        "init_from_pretrained=true", *NO_LEARNING, nproc=nproc, timeout=600, **kwargs,
+        "init_from_pretrained=true", *NO_LEARNING, *overrides, nproc=nproc, timeout=600, **kwargs,
     )  # fmt: skip
 
 

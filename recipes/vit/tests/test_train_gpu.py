@@ -11,6 +11,7 @@ import json
 from pathlib import Path
 
 import pytest
+import torch
 from convert import convert_vit_hf_to_te
 from launch import run_script
 from test_finetune import assert_export_holds, finetune
@@ -115,19 +116,50 @@ def test_224_pixel_configs_run_at_full_size(tmp_path_factory, config, fp8):
     assert (out / "final_model" / "model.safetensors").is_file()
 
 
+two_gpus = pytest.mark.requires_multi_gpu
+
+
 @pytest.mark.requires_te
 @pytest.mark.parametrize(
-    "script", ["train_fsdp2.py", pytest.param("train_mfsdp.py", marks=needs_megatron_fsdp)], ids=["fsdp2", "mfsdp"]
+    ("script", "nproc"),
+    [
+        ("train_fsdp2.py", 1),
+        pytest.param("train_mfsdp.py", 1, marks=needs_megatron_fsdp),
+        # Two ranks: each copies its own rows of every full tensor into its shard (common/pretrained_weights.py).
+        pytest.param("train_fsdp2.py", 2, marks=two_gpus),
+        pytest.param("train_mfsdp.py", 2, marks=[needs_megatron_fsdp, two_gpus]),
+    ],
+    ids=["fsdp2", "mfsdp", "fsdp2-2gpu", "mfsdp-2gpu"],
 )
-def test_finetune_on_gpu_from_a_stock_checkpoint_and_from_its_export(tmp_path, images, stock_checkpoint, script):
-    """A stock ViT loaded into TE's layers on a GPU, sharded by FSDP2 or by Megatron-FSDP (into its fp32 main weights,
-    after sharding): with lr 0 the export holds the stock weights exactly, and the export loaded in its turn gives
-    them again."""
+def test_finetune_on_gpu_from_a_stock_checkpoint_and_from_its_export(
+    tmp_path, images, stock_checkpoint, script, nproc
+):
+    """A stock ViT loaded into TE's layers on GPUs, sharded by FSDP2 or by Megatron-FSDP (into its fp32 main weights,
+    after sharding; each rank loads its shard): with lr 0 the export holds the stock weights exactly, and the export
+    loaded in its turn gives them again."""
     path, hf_model = stock_checkpoint
     expected = convert_vit_hf_to_te(hf_model, backend="torch").state_dict()
     source = path
     for run in ("from_stock", "from_export"):
-        result = finetune(script, tmp_path / run, images, source, nproc=1, cpu_only=False)
+        result = finetune(script, tmp_path / run, images, source, nproc=nproc, cpu_only=False)
         assert "te backend" in result.stdout + result.stderr
         assert_export_holds(tmp_path / run, expected)
         source = tmp_path / run / "final_model"
+
+
+@pytest.mark.requires_te
+@pytest.mark.requires_multi_gpu
+@needs_megatron_fsdp
+def test_finetune_with_tensor_parallelism_starts_from_bf16_rounded_weights(tmp_path, images, stock_checkpoint):
+    """``mfsdp.tp=2``: each GPU's share of every layer is cut from the whole model, so the pretrained weights are
+    loaded before the bf16 cast and Megatron-FSDP's fp32 main weights start from them rounded to bf16 (the README
+    says so and the log warns). With lr 0 the export, gathered from the two TP ranks, holds exactly that: every
+    weight the stock checkpoint's rounded to bf16, none left at its initialisation."""
+    path, hf_model = stock_checkpoint
+    expected = convert_vit_hf_to_te(hf_model, backend="torch").state_dict()
+    rounded = {key: value.to(torch.bfloat16).float() for key, value in expected.items() if value.is_floating_point()}
+    result = finetune("train_mfsdp.py", tmp_path, images, path, "mfsdp.tp=2", nproc=2, cpu_only=False)
+    assert "mfsdp.tp=2: the pretrained weights reach Megatron-FSDP's fp32 main weights rounded to bf16" in (
+        result.stdout + result.stderr
+    )
+    assert_export_holds(tmp_path, rounded)
