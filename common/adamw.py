@@ -13,11 +13,14 @@ almost all of them are, and an ESM-2 650M run trailed fp32 master weights by 0.5
 master value beside it (2 bytes per parameter) and follows fp32 AdamW; ``compensate_bf16_updates: false`` restores
 torch's AdamW.
 
-Megatron-FSDP (``train_mfsdp.py``) shards its optimizer together with the model and builds it itself.
+Megatron-FSDP (``train_mfsdp.py``) shards the optimizer built here together with the model, inside
+``megatron_fsdp_init_step_left_out`` (below): its ``fully_shard`` runs one optimizer step on zero gradients to build
+the state, which that context turns into a step that changes nothing and counts nothing.
 """
 
+import contextlib
 import logging
-from collections.abc import Iterable
+from collections.abc import Iterable, Iterator
 
 import torch
 from compensated_adamw import CompensatedAdamW
@@ -51,3 +54,36 @@ def build_adamw(params: Iterable, cfg, device: torch.device) -> torch.optim.Opti
         logger.info("Optimizer: CompensatedAdamW (bf16 weights with the 16 low bits of their fp32 master values)")
         return CompensatedAdamW(params, **cfg.adamw_kwargs)
     return torch.optim.AdamW(params, **cfg.adamw_kwargs, fused=device.type == "cuda")
+
+
+# The state an AdamW step sets from its gradients: Megatron-FSDP's zero-gradient step sets the step count to 1 and the
+# moments to zero. (CompensatedAdamW's low bits are not among them: a step at learning rate 0 leaves them as they were.)
+_STEP_STATE = ("step", "exp_avg", "exp_avg_sq")
+
+
+@contextlib.contextmanager
+def megatron_fsdp_init_step_left_out(optimizer: torch.optim.Optimizer) -> Iterator[None]:
+    """Around ``megatron_fsdp.fully_shard(model, optimizer, ...)``: leave out the optimizer step it takes to build
+    the optimizer's state (so that a checkpoint load finds state to load into).
+
+    That step runs on zero gradients at the configured learning rate. It would decay every weight once by
+    ``lr * weight_decay`` and count as AdamW's first step, so the first step of training would be bias-corrected as a
+    second one: an update about a quarter smaller than torch's AdamW makes (betas 0.9/0.98: 0.74 of it), and every
+    early step off the DDP and FSDP2 runs'. Here the step runs at learning rate 0 (``fully_shard`` builds the new
+    parameter group from the optimizer's defaults), changing no weight, and afterwards the learning rate is restored
+    and each parameter's step count and moments are zeroed: training's first step is AdamW's first.
+    """
+    lr = optimizer.defaults["lr"]
+    optimizer.defaults["lr"] = 0.0
+    for group in optimizer.param_groups:
+        group["lr"] = 0.0
+    try:
+        yield
+    finally:
+        optimizer.defaults["lr"] = lr
+        for group in optimizer.param_groups:
+            group["lr"] = lr
+    for state in optimizer.state.values():
+        for key in _STEP_STATE:
+            if key in state:
+                state[key].zero_()

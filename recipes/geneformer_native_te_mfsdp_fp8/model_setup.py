@@ -24,6 +24,7 @@ from pathlib import Path
 
 import torch
 from activation_recompute import recompute_note
+from adamw import build_adamw, megatron_fsdp_init_step_left_out
 from convert import convert_geneformer_hf_to_te, nv_config_from_hf
 from distributed import Meshes, data_parallel_wrapper
 from gene_tokenizer import build_gene_tokenizer
@@ -259,23 +260,26 @@ def _build_megatron_fsdp(cfg, device, meshes, config, tokenizer, plan, pretraine
     model_flops = ModelFlops.from_model(model, config.num_hidden_layers, config.hidden_size)
     _log_model(model)
 
-    # Each transformer layer is one FSDP unit; the optimizer's parameter groups are rebuilt over the shards.
-    optimizer = torch.optim.AdamW(model.parameters(), **cfg.adamw_kwargs, fused=True)
+    # Each transformer layer is one FSDP unit; the optimizer's parameter groups are rebuilt over the shards. The
+    # optimizer is the other entrypoints' (adamw.py): with bf16 weights, no fp32 main weights here either, so
+    # CompensatedAdamW keeps their low bits (torch's AdamW would round small updates away).
+    optimizer = build_adamw(model.parameters(), cfg, device)
     policy = megatron_fsdp.MixedPrecisionPolicy(
         main_params_dtype=torch.float32 if cfg.mixed_precision.fp32_master_weights else None,
         main_grads_dtype=torch.float32,
     )
-    model, optimizer = megatron_fsdp.fully_shard(
-        model,
-        optimizer,
-        device_mesh=meshes.fsdp,
-        dp_shard_dim="dp",
-        tp_dim="tp",
-        fsdp_unit_modules=[type(model.bert.encoder.layers[0])],
-        zero_dp_strategy=cfg.fsdp.mfsdp_zero_dp_strategy,
-        mixed_precision_policy=policy,
-        device=device,
-    )
+    with megatron_fsdp_init_step_left_out(optimizer):  # its state-building step changes nothing
+        model, optimizer = megatron_fsdp.fully_shard(
+            model,
+            optimizer,
+            device_mesh=meshes.fsdp,
+            dp_shard_dim="dp",
+            tp_dim="tp",
+            fsdp_unit_modules=[type(model.bert.encoder.layers[0])],
+            zero_dp_strategy=cfg.fsdp.mfsdp_zero_dp_strategy,
+            mixed_precision_policy=policy,
+            device=device,
+        )
     # Fine-tuning (init_from_pretrained): after sharding, into the fp32 main weights; loaded before, the weights
     # would reach them only through the bf16 compute weights above, rounded.
     apply_pretrained_weights(model, pretrained)

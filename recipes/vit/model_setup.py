@@ -25,6 +25,7 @@ import logging
 from dataclasses import dataclass
 
 import torch
+from adamw import build_adamw, megatron_fsdp_init_step_left_out
 from convert import convert_vit_hf_to_te, nv_config_from_hf
 from distributed import Meshes, data_parallel_wrapper
 from mixed_precision import computes_in_bf16, keeps_fp32_master_weights, mixed_precision_policy
@@ -332,26 +333,29 @@ def _build_megatron_fsdp(cfg, device, meshes, config, plan, pretrained) -> Built
         model.to(torch.bfloat16)  # compute weights; fp32 main weights live in Megatron-FSDP's buffers
     _log_model(model)
 
-    # Each transformer layer is one FSDP unit; the optimizer's parameter groups are rebuilt over the shards.
-    optimizer = torch.optim.AdamW(model.parameters(), **cfg.adamw_kwargs, fused=True)
+    # Each transformer layer is one FSDP unit; the optimizer's parameter groups are rebuilt over the shards. The
+    # optimizer is the other entrypoints' (adamw.py): with bf16 weights, no fp32 main weights here either, so
+    # CompensatedAdamW keeps their low bits (torch's AdamW would round small updates away).
+    optimizer = build_adamw(model.parameters(), cfg, device)
     policy = megatron_fsdp.MixedPrecisionPolicy(
         main_params_dtype=torch.float32 if cfg.mixed_precision.fp32_master_weights else None,
         main_grads_dtype=torch.float32,
     )
     hsdp = mesh["dp_replicate"].size() > 1
-    model, optimizer = megatron_fsdp.fully_shard(
-        model,
-        optimizer,
-        device_mesh=mesh,
-        dp_shard_dim="dp_shard",
-        dp_outer_dim="dp_replicate" if hsdp else None,
-        hybrid_fsdp_group=mesh["dp"].get_group() if hsdp else None,
-        tp_dim="tp",
-        fsdp_unit_modules=[type(model.vit.encoder.layers[0])],
-        zero_dp_strategy=cfg.fsdp.mfsdp_zero_dp_strategy,
-        mixed_precision_policy=policy,
-        device=device,
-    )
+    with megatron_fsdp_init_step_left_out(optimizer):  # its state-building step changes nothing
+        model, optimizer = megatron_fsdp.fully_shard(
+            model,
+            optimizer,
+            device_mesh=mesh,
+            dp_shard_dim="dp_shard",
+            dp_outer_dim="dp_replicate" if hsdp else None,
+            hybrid_fsdp_group=mesh["dp"].get_group() if hsdp else None,
+            tp_dim="tp",
+            fsdp_unit_modules=[type(model.vit.encoder.layers[0])],
+            zero_dp_strategy=cfg.fsdp.mfsdp_zero_dp_strategy,
+            mixed_precision_policy=policy,
+            device=device,
+        )
     if not tensor_parallel:
         # Fine-tuning (init_from_pretrained): after sharding, into the fp32 main weights; loaded before, the weights
         # would reach them only through the bf16 compute weights above, rounded.

@@ -147,9 +147,10 @@ def assert_validation_is_the_exports_held_out_loss(
     assert one_process["val_loss"] == pytest.approx(records[-1]["val_loss"], rel=rel)
 
 
-def assert_same_as_one_larger_batch(accumulated_dir: Path, single_dir: Path) -> None:
-    """A run of k micro-batches a step and one of a k times larger batch: the same losses, gradient norms and exported
-    weights to float32 rounding, over steps that did change the weights."""
+def assert_same_training_to_float32_rounding(accumulated_dir: Path, single_dir: Path) -> None:
+    """Two runs that compute the same steps in another order (k micro-batches a step and one k times larger batch;
+    two strategies on one GPU): the same losses, gradient norms and exported weights to float32 rounding, over steps
+    that did change the weights."""
     accumulated, single = read_metrics(accumulated_dir), read_metrics(single_dir)
     assert [m["loss"] for m in accumulated] == pytest.approx([m["loss"] for m in single], rel=1e-5)
     assert [m["grad_norm"] for m in accumulated] == pytest.approx([m["grad_norm"] for m in single], rel=1e-4)
@@ -324,7 +325,7 @@ def test_grad_accumulation_equals_one_larger_batch(tmp_path, script, extra, smal
     ]
     train(script, tmp_path / "acc", *common, small, "grad_acc_steps=2", nproc=2)
     train(script, tmp_path / "big", *common, large, "grad_acc_steps=1", nproc=2)
-    assert_same_as_one_larger_batch(tmp_path / "acc", tmp_path / "big")
+    assert_same_training_to_float32_rounding(tmp_path / "acc", tmp_path / "big")
 
 
 @pytest.mark.parametrize(

@@ -11,6 +11,7 @@ from pathlib import Path
 
 import pytest
 import torch
+import torch.distributed.checkpoint as dcp
 from convert import convert_esm_hf_to_te
 from launch import run_script
 from test_finetune import NO_LEARNING, assert_export_holds
@@ -18,7 +19,7 @@ from test_train import (
     FAST,
     LOSS_THRESHOLD,
     assert_export_reproduces_checkpoint,
-    assert_same_as_one_larger_batch,
+    assert_same_training_to_float32_rounding,
     assert_validation_is_the_exports_held_out_loss,
     load_export,
     read_metrics,
@@ -196,11 +197,19 @@ DETERMINISTIC = {"NVTE_ALLOW_NONDETERMINISTIC_ALGO": "0"}
 @needs_megatron_fsdp
 @pytest.mark.parametrize(
     "overrides",
-    [[], ["+model_config_overrides.fused_residual_norm=true"], ["use_torch_compile=true"]],
-    ids=["te-layers", "fused-residual", "compile"],
+    [
+        [],
+        ["+model_config_overrides.fused_residual_norm=true"],
+        ["use_torch_compile=true"],
+        ["mixed_precision.fp32_master_weights=false"],  # bf16 weights: no fp32 main weights, CompensatedAdamW
+    ],
+    ids=["te-layers", "fused-residual", "compile", "bf16-weights"],
 )
 def test_megatron_fsdp_learns_and_exports(tmp_path, overrides):
     metrics = train_on_gpu("train_mfsdp.py", tmp_path, "dataset.input_format=thd", VALIDATE, *overrides, nproc=1)
+    if "mixed_precision.fp32_master_weights=false" in overrides:  # CompensatedAdamW's low bits are checkpointed
+        saved = dcp.FileSystemReader(str(tmp_path / "checkpoints" / "step_100")).read_metadata().state_dict_metadata
+        assert any(key.endswith("compensation") for key in saved), sorted(saved)[:20]
     assert_learned(metrics)
     assert_export_reproduces_checkpoint(tmp_path, step=100)
     assert_validation_is_the_exports_held_out_loss(tmp_path, [50, 100], L0_BATCHING, "thd", rel=0.02, falls=False)
@@ -223,12 +232,17 @@ def assert_same_run(first: Path, second: Path) -> None:
 
 @pytest.mark.requires_te
 @needs_megatron_fsdp
-def test_megatron_fsdp_stop_and_go_matches_uninterrupted_run(tmp_path):
-    """Megatron-FSDP with TE layers in bf16 over its fp32 main weights, THD, two micro-batches a step, asynchronous
-    saves: 60 steps in one go and 30 + resume + 30 log the same losses, gradient norms and held-out losses bit for bit
-    and export the same weights. So a checkpoint restores the fp32 main weights (not the bf16 compute weights they are
-    rounded to), the AdamW moments and step count, the schedule and the data position."""
+@pytest.mark.parametrize(
+    "weights", [[], ["mixed_precision.fp32_master_weights=false"]], ids=["fp32-main-weights", "bf16-weights"]
+)
+def test_megatron_fsdp_stop_and_go_matches_uninterrupted_run(tmp_path, weights):
+    """Megatron-FSDP with TE layers in bf16 over its fp32 main weights (or bf16 weights with CompensatedAdamW), THD,
+    two micro-batches a step, asynchronous saves: 60 steps in one go and 30 + resume + 30 log the same losses, gradient
+    norms and held-out losses bit for bit and export the same weights. So a checkpoint restores the fp32 main weights
+    (not the bf16 compute weights they are rounded to) or the bf16 weights with their low bits, the AdamW moments and
+    step count, the schedule and the data position."""
     common = [
+        *weights,
         "+model_config_overrides.backend=te",
         "dataset.input_format=thd",
         "grad_acc_steps=2",
@@ -263,7 +277,27 @@ def test_megatron_fsdp_grad_accumulation_equals_one_larger_batch(tmp_path):
     train_on_gpu(
         "train_mfsdp.py", tmp_path / "big", *common, "dataset.micro_batch_size=8", "grad_acc_steps=1", nproc=1, steps=4
     )
-    assert_same_as_one_larger_batch(tmp_path / "acc", tmp_path / "big")
+    assert_same_training_to_float32_rounding(tmp_path / "acc", tmp_path / "big")
+
+
+@pytest.mark.requires_gpu
+@needs_megatron_fsdp
+def test_megatron_fsdp_on_one_gpu_trains_as_ddp_does(tmp_path):
+    """One GPU, float32, torch backend (no TF32): Megatron-FSDP and DDP (which trains the bare model on one process)
+    build the same model from the seed, read the same batches and run torch's fused AdamW, so they log the same
+    losses and gradient norms and export the same weights, to float32 rounding. Before Megatron-FSDP's
+    state-building optimizer step was left out (adamw.megatron_fsdp_init_step_left_out), its first update was
+    bias-corrected as a second one and its losses parted from DDP's at step 2."""
+    common = [
+        "+model_config_overrides.backend=torch",
+        "mixed_precision.enabled=false",
+        "dataset.input_format=bshd",
+        "adamw_kwargs.eps=1e-3",  # Adam divides by sqrt(v) + eps: keep float noise in tiny gradients from flipping signs
+        "logger.log_every=1",
+    ]
+    train_on_gpu("train_mfsdp.py", tmp_path / "mfsdp", *common, nproc=1, steps=6)
+    train_on_gpu("train_ddp.py", tmp_path / "ddp", *common, nproc=1, steps=6)
+    assert_same_training_to_float32_rounding(tmp_path / "mfsdp", tmp_path / "ddp")
 
 
 @pytest.mark.requires_te

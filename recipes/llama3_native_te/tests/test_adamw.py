@@ -3,7 +3,7 @@
 
 import pytest
 import torch
-from adamw import build_adamw
+from adamw import build_adamw, megatron_fsdp_init_step_left_out
 from compensated_adamw import CompensatedAdamW, join_master
 from omegaconf import OmegaConf
 from user_errors import ConfigError
@@ -82,3 +82,50 @@ def test_a_config_without_the_compensation_key_fails_by_name():
     del cfg.mixed_precision["compensate_bf16_updates"]
     with pytest.raises(Exception, match="compensate_bf16_updates"):
         build_adamw(parameters(), cfg, CPU)
+
+
+def shard_like_megatron_fsdp(optimizer: torch.optim.Optimizer, params: list[torch.nn.Parameter]) -> None:
+    """What ``megatron_fsdp.fully_shard`` (0.6) does to the optimizer it is given, without GPUs: its parameter groups
+    replaced by one new group of the (sharded) parameters, then one step on zero gradients to build the state."""
+    optimizer.param_groups.clear()
+    optimizer.state.clear()
+    optimizer.add_param_group({"params": params})
+    for param in params:
+        param.grad = torch.zeros_like(param)
+    optimizer.step()
+    optimizer.zero_grad()
+
+
+@pytest.mark.parametrize("fp32_master_weights", [True, False], ids=["adamw", "compensated"])
+def test_megatron_fsdp_state_building_step_is_left_out(fp32_master_weights):
+    """Sharded inside ``megatron_fsdp_init_step_left_out``, the optimizer's first training step equals a fresh
+    optimizer's first step bit for bit (weights, moments, step count), and the weights are untouched before it.
+    Without it, that first step is bias-corrected as a second one and the weights decay once at sharding (checked, so
+    that the test can tell the two apart)."""
+    dtype = torch.float32 if fp32_master_weights else torch.bfloat16
+    cfg = config(fp32_master_weights=fp32_master_weights, weight_decay=0.1)
+    torch.manual_seed(0)
+    start = [torch.randn(64, 32), torch.randn(32)]
+    gradients = [torch.randn(64, 32), torch.randn(32)]
+
+    def first_step(shard: str) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
+        params = [torch.nn.Parameter(value.to(dtype, copy=True)) for value in start]
+        optimizer = build_adamw(params, cfg, CPU)
+        if shard == "left_out":
+            with megatron_fsdp_init_step_left_out(optimizer):
+                shard_like_megatron_fsdp(optimizer, params)
+            assert all(torch.equal(p, v.to(dtype)) for p, v in zip(params, start))
+            assert optimizer.param_groups[0]["lr"] == cfg.adamw_kwargs.lr
+        elif shard == "plain":
+            shard_like_megatron_fsdp(optimizer, params)
+        for param, gradient in zip(params, gradients):
+            param.grad = gradient.to(dtype)
+        optimizer.step()
+        return [p.detach().clone() for p in params], [optimizer.state[p]["exp_avg_sq"].clone() for p in params]
+
+    expected_weights, expected_moments = first_step("none")
+    weights, moments = first_step("left_out")
+    for value, expected in zip([*weights, *moments], [*expected_weights, *expected_moments]):
+        assert torch.equal(value, expected)
+    plain_weights, _ = first_step("plain")
+    assert not all(torch.equal(value, expected) for value, expected in zip(plain_weights, expected_weights))
