@@ -195,8 +195,8 @@ def _build_megatron_fsdp(cfg, device, meshes, family: ModelFamily, config, plan,
     log_model(model, config)
 
     # Each transformer layer is one FSDP unit; the optimizer's parameter groups are rebuilt over the shards. The
-    # optimizer is the other entrypoints' (adamw.py): with bf16 weights, no fp32 main weights here either, so
-    # CompensatedAdamW keeps their low bits (torch's AdamW would round small updates away).
+    # optimizer is the other entrypoints' (adamw.py: torch's fused AdamW over the fp32 main weights, which
+    # train_mfsdp.py requires with bf16 compute).
     optimizer = build_adamw(model.parameters(), cfg, device)
     policy = megatron_fsdp.MixedPrecisionPolicy(
         main_params_dtype=torch.float32 if cfg.mixed_precision.fp32_master_weights else None,

@@ -3,7 +3,7 @@
 
 import pytest
 import torch
-from adamw import build_adamw, megatron_fsdp_init_step_left_out
+from adamw import build_adamw, check_megatron_fsdp_weights, megatron_fsdp_init_step_left_out
 from compensated_adamw import CompensatedAdamW, join_master
 from omegaconf import OmegaConf
 from user_errors import ConfigError
@@ -129,3 +129,10 @@ def test_megatron_fsdp_state_building_step_is_left_out(fp32_master_weights):
         assert torch.equal(value, expected)
     plain_weights, _ = first_step("plain")
     assert not all(torch.equal(value, expected) for value, expected in zip(plain_weights, expected_weights))
+
+
+def test_megatron_fsdp_refuses_bf16_weights_by_name():
+    with pytest.raises(ConfigError, match="train_mfsdp.py keeps fp32 main weights"):
+        check_megatron_fsdp_weights(config(fp32_master_weights=False))
+    check_megatron_fsdp_weights(config())  # fp32 main weights
+    check_megatron_fsdp_weights(config(fp32_master_weights=False, enabled=False))  # float32 throughout
