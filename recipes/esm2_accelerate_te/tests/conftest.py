@@ -1,5 +1,5 @@
-"""Fixtures and checks shared by the CPU and GPU tests: a tiny AMPLIFY checkpoint in the published layout, and what
-a fine-tuned export with lr 0 must hold."""
+"""Fixtures and checks shared by the CPU and GPU tests: a tiny stock ESM-2 checkpoint, a tiny AMPLIFY checkpoint in the
+published layout, and what a fine-tuned export with lr 0 must hold."""
 
 import json
 from pathlib import Path
@@ -9,12 +9,25 @@ import torch
 from convert_amplify import convert_amplify_te_to_hf
 from modeling_amplify_te import NVAmplifyConfig, NVAmplifyForMaskedLM
 from safetensors.torch import load_file, save_file
-from transformers import AutoConfig, AutoModelForMaskedLM
+from transformers import AutoConfig, AutoModelForMaskedLM, EsmConfig, EsmForMaskedLM
 
 
 # lr 0 (and no warm-up, so no step sees another rate): two optimizer steps that leave every weight as it was loaded.
 NO_LEARNING = ["adamw_kwargs.lr=0.0", "lr_scheduler_kwargs.num_warmup_steps=0", "num_train_steps=2"]
 MISSING_WEIGHT = "transformer_encoder.1.ffn.w3.weight"
+
+
+def save_stock_esm2(path: Path) -> EsmForMaskedLM:
+    """A tiny stock Hugging Face ``EsmForMaskedLM`` (random weights, seed 0) saved with ``save_pretrained`` at ``path``."""
+    torch.manual_seed(0)
+    stock_config = EsmConfig(
+        vocab_size=33, hidden_size=64, num_hidden_layers=2, num_attention_heads=4, intermediate_size=256,
+        max_position_embeddings=1026, position_embedding_type="rotary", pad_token_id=1, mask_token_id=32,
+        token_dropout=True, emb_layer_norm_before=False,
+    )  # fmt: skip
+    stock = EsmForMaskedLM(stock_config).eval()
+    stock.save_pretrained(path)
+    return stock
 
 
 @pytest.fixture(scope="module")

@@ -14,7 +14,7 @@ from pathlib import Path
 import pytest
 import torch
 from accelerate_run import FAST, TINY_ESM2, accelerate_launch, read_metrics, read_summary
-from conftest import MISSING_WEIGHT, NO_LEARNING, assert_export_holds
+from conftest import MISSING_WEIGHT, NO_LEARNING, assert_export_holds, save_stock_esm2
 from safetensors.torch import load_file, save_file
 from transformers import AutoConfig, AutoModelForMaskedLM
 
@@ -132,16 +132,7 @@ def test_stock_hf_baseline_trains_and_exports(tmp_path):
 def test_fine_tuning_starts_from_a_stock_checkpoint(tmp_path):
     """init_from_pretrained=true loads a stock Hugging Face ESM-2 checkpoint into this recipe's model (converted):
     with lr 0 the export computes exactly what the stock model computes (float32, CPU)."""
-    from transformers import EsmConfig, EsmForMaskedLM
-
-    torch.manual_seed(0)
-    stock_config = EsmConfig(
-        vocab_size=33, hidden_size=64, num_hidden_layers=2, num_attention_heads=4, intermediate_size=256,
-        max_position_embeddings=1026, position_embedding_type="rotary", pad_token_id=1, mask_token_id=32,
-        token_dropout=True, emb_layer_norm_before=False,
-    )  # fmt: skip
-    stock = EsmForMaskedLM(stock_config).eval()
-    stock.save_pretrained(tmp_path / "stock")
+    stock = save_stock_esm2(tmp_path / "stock")
     run = tmp_path / "run"
     accelerate_launch(
         "cpu.yaml", f"output_dir={run}", f"model_tag={tmp_path / 'stock'}", "init_from_pretrained=true",

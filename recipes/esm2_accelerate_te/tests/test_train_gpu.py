@@ -11,7 +11,7 @@ from pathlib import Path
 import pytest
 import torch
 from accelerate_run import accelerate_launch, read_metrics, read_summary
-from conftest import NO_LEARNING, assert_export_holds
+from conftest import NO_LEARNING, assert_export_holds, save_stock_esm2
 from safetensors.torch import load_file
 from transformers import AutoConfig, AutoModelForMaskedLM
 
@@ -193,16 +193,8 @@ def test_fsdp2_fine_tuning_from_a_stock_esm2_checkpoint_on_two_gpus(tmp_path):
     """FSDP2 over the TE model on 2 GPUs, fine-tuning from a stock Hugging Face ESM-2 checkpoint: with lr 0 the
     export holds exactly the stock weights, converted to this recipe's names."""
     from convert import convert_esm_hf_to_te
-    from transformers import EsmConfig, EsmForMaskedLM
 
-    torch.manual_seed(0)
-    stock_config = EsmConfig(
-        vocab_size=33, hidden_size=64, num_hidden_layers=2, num_attention_heads=4, intermediate_size=256,
-        max_position_embeddings=1026, position_embedding_type="rotary", pad_token_id=1, mask_token_id=32,
-        token_dropout=True, emb_layer_norm_before=False,
-    )  # fmt: skip
-    stock = EsmForMaskedLM(stock_config).eval()
-    stock.save_pretrained(tmp_path / "stock")
+    stock = save_stock_esm2(tmp_path / "stock")
     expected = {
         key: value
         for key, value in convert_esm_hf_to_te(stock, backend="torch").state_dict().items()
