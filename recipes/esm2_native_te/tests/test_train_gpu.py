@@ -248,19 +248,23 @@ def test_megatron_fsdp_stop_and_go_matches_uninterrupted_run(tmp_path):
     assert_same_run(tmp_path / "full", tmp_path / "resumed")
 
 
+# Runs compared to float32 rounding: torch backend in float32 (PyTorch's default keeps TF32 off), padded batches.
+FLOAT32_TORCH = [
+    "+model_config_overrides.backend=torch",
+    "mixed_precision.enabled=false",
+    "dataset.input_format=bshd",
+    "adamw_kwargs.eps=1e-3",  # Adam divides by sqrt(v) + eps: keep float noise in tiny gradients from flipping signs
+    "logger.log_every=1",
+]
+
+
 @pytest.mark.requires_gpu
 @needs_megatron_fsdp
 def test_megatron_fsdp_grad_accumulation_equals_one_larger_batch(tmp_path):
     """grad_acc_steps=2 x 4 sequences == 1 x 8 on one GPU in float32 (torch backend; PyTorch's default keeps TF32
     off): Megatron-FSDP sums the micro-batches' gradients in its main-gradient buffer and the token weights make the
     sum one batch's gradient. The same losses, gradient norms and exported weights, to float32 rounding."""
-    common = [
-        "+model_config_overrides.backend=torch",
-        "mixed_precision.enabled=false",
-        "dataset.input_format=bshd",
-        "adamw_kwargs.eps=1e-3",  # Adam divides by sqrt(v) + eps: keep float noise in tiny gradients from flipping signs
-        "logger.log_every=1",
-    ]
+    common = FLOAT32_TORCH
     train_on_gpu(
         "train_mfsdp.py", tmp_path / "acc", *common, "dataset.micro_batch_size=4", "grad_acc_steps=2", nproc=1, steps=4
     )
@@ -278,13 +282,7 @@ def test_megatron_fsdp_on_one_gpu_trains_as_ddp_does(tmp_path):
     losses and gradient norms and export the same weights, to float32 rounding. Before Megatron-FSDP's
     state-building optimizer step was left out (adamw.megatron_fsdp_init_step_left_out), its first update was
     bias-corrected as a second one and its losses parted from DDP's at step 2."""
-    common = [
-        "+model_config_overrides.backend=torch",
-        "mixed_precision.enabled=false",
-        "dataset.input_format=bshd",
-        "adamw_kwargs.eps=1e-3",  # Adam divides by sqrt(v) + eps: keep float noise in tiny gradients from flipping signs
-        "logger.log_every=1",
-    ]
+    common = FLOAT32_TORCH
     train_on_gpu("train_mfsdp.py", tmp_path / "mfsdp", *common, nproc=1, steps=6)
     train_on_gpu("train_ddp.py", tmp_path / "ddp", *common, nproc=1, steps=6)
     assert_same_training_to_float32_rounding(tmp_path / "mfsdp", tmp_path / "ddp")
