@@ -28,7 +28,12 @@ import torch.distributed as dist
 from activation_recompute import recompute_note
 from adamw import build_adamw, megatron_fsdp_init_step_left_out
 from distributed import Meshes, data_parallel_wrapper
-from mixed_precision import computes_in_bf16, keeps_fp32_master_weights, mixed_precision_policy
+from mixed_precision import (
+    computes_in_bf16,
+    keeps_fp32_master_weights,
+    megatron_fsdp_precision,
+    mixed_precision_policy,
+)
 from model_families import (
     PRETRAINED_MISMATCH,
     ModelFamily,
@@ -181,27 +186,26 @@ def _build_megatron_fsdp(cfg, device, meshes, family: ModelFamily, config, plan,
 
     Megatron-FSDP's meta-device path would initialise weights with each module's reset_parameters(), not the model's own
     initialisation, so it is not used. Its fp32 main weights live in its own sharded buffers, so the model itself is
-    cast to bf16 whenever bf16 compute is on.
+    cast to bf16 whenever bf16 compute is on; with ``fp32_master_weights: false`` those bf16 weights are what trains.
     """
     import megatron_fsdp
 
     with torch.device(device):
         model = family.model_class(config, fp8_recipe=plan.fp8_recipe, fp4_recipe=plan.fp4_recipe)
     if cfg.mixed_precision.enabled:
-        model.to(torch.bfloat16)  # compute weights; fp32 main weights live in Megatron-FSDP's buffers
+        # bf16 compute weights beside fp32 main weights in Megatron-FSDP's buffers, or the bf16 weights that train
+        model.to(torch.bfloat16)
     if quant_stats is not None:
         quant_stats.watch(model)
     model_flops = ModelFlops.from_model(model, config.num_hidden_layers, config.hidden_size)
     log_model(model, config)
 
     # Each transformer layer is one FSDP unit; the optimizer's parameter groups are rebuilt over the shards. The
-    # optimizer is the other entrypoints' (adamw.py: torch's fused AdamW over the fp32 main weights, which
-    # train_mfsdp.py requires with bf16 compute).
+    # optimizer is the other entrypoints' (adamw.py): torch's fused AdamW over fp32 main weights, or CompensatedAdamW
+    # over bf16 weights (mixed_precision.fp32_master_weights=false), which then get bf16 gradients.
     optimizer = build_adamw(model.parameters(), cfg, device)
-    policy = megatron_fsdp.MixedPrecisionPolicy(
-        main_params_dtype=torch.float32 if cfg.mixed_precision.fp32_master_weights else None,
-        main_grads_dtype=torch.float32,
-    )
+    main_params_dtype, main_grads_dtype = megatron_fsdp_precision(cfg.mixed_precision, device)
+    policy = megatron_fsdp.MixedPrecisionPolicy(main_params_dtype=main_params_dtype, main_grads_dtype=main_grads_dtype)
     with megatron_fsdp_init_step_left_out(optimizer):  # its state-building step changes nothing
         model, optimizer = megatron_fsdp.fully_shard(
             model,
@@ -214,8 +218,8 @@ def _build_megatron_fsdp(cfg, device, meshes, family: ModelFamily, config, plan,
             mixed_precision_policy=policy,
             device=device,
         )
-    # Fine-tuning (init_from_pretrained): after sharding, into the fp32 main weights; loaded before, the weights
-    # would reach them only through the bf16 compute weights above, rounded.
+    # Fine-tuning (init_from_pretrained): after sharding, into the main weights (fp32, or the bf16 weights); loaded
+    # before, fp32 main weights would reach them only through the bf16 compute weights above, rounded.
     apply_pretrained_weights(model, load_pretrained_state_dict(cfg))
     train_model = torch.compile(model) if cfg.use_torch_compile else model
     return BuiltModel(model, train_model, config, plan, model_flops, "mfsdp", optimizer=optimizer)

@@ -28,7 +28,12 @@ from adamw import build_adamw, megatron_fsdp_init_step_left_out
 from convert import convert_geneformer_hf_to_te, nv_config_from_hf
 from distributed import Meshes, data_parallel_wrapper
 from gene_tokenizer import build_gene_tokenizer
-from mixed_precision import computes_in_bf16, keeps_fp32_master_weights, mixed_precision_policy
+from mixed_precision import (
+    computes_in_bf16,
+    keeps_fp32_master_weights,
+    megatron_fsdp_precision,
+    mixed_precision_policy,
+)
 from modeling_geneformer_te import NVGeneformerConfig, NVGeneformerForMaskedLM, resolve_backend
 from omegaconf import DictConfig, OmegaConf
 from perf_logger import ModelFlops
@@ -249,25 +254,25 @@ def _build_megatron_fsdp(cfg, device, meshes, config, tokenizer, plan, pretraine
 
     Megatron-FSDP's meta-device path would initialise weights with each module's reset_parameters(), not the model's
     own initialisation, so it is not used. Its fp32 main weights live in its own sharded buffers, so the model itself
-    is cast to bf16 whenever bf16 compute is on.
+    is cast to bf16 whenever bf16 compute is on; with ``fp32_master_weights: false`` those bf16 weights are what
+    trains.
     """
     import megatron_fsdp
 
     with torch.device(device):
         model = NVGeneformerForMaskedLM(config, fp8_recipe=plan.fp8_recipe, fp4_recipe=plan.fp4_recipe)
     if cfg.mixed_precision.enabled:
-        model.to(torch.bfloat16)  # compute weights; fp32 main weights live in Megatron-FSDP's buffers
+        # bf16 compute weights beside fp32 main weights in Megatron-FSDP's buffers, or the bf16 weights that train
+        model.to(torch.bfloat16)
     model_flops = ModelFlops.from_model(model, config.num_hidden_layers, config.hidden_size)
     _log_model(model)
 
     # Each transformer layer is one FSDP unit; the optimizer's parameter groups are rebuilt over the shards. The
-    # optimizer is the other entrypoints' (adamw.py: torch's fused AdamW over the fp32 main weights, which
-    # train_mfsdp.py requires with bf16 compute).
+    # optimizer is the other entrypoints' (adamw.py): torch's fused AdamW over fp32 main weights, or CompensatedAdamW
+    # over bf16 weights (mixed_precision.fp32_master_weights=false), which then get bf16 gradients.
     optimizer = build_adamw(model.parameters(), cfg, device)
-    policy = megatron_fsdp.MixedPrecisionPolicy(
-        main_params_dtype=torch.float32 if cfg.mixed_precision.fp32_master_weights else None,
-        main_grads_dtype=torch.float32,
-    )
+    main_params_dtype, main_grads_dtype = megatron_fsdp_precision(cfg.mixed_precision, device)
+    policy = megatron_fsdp.MixedPrecisionPolicy(main_params_dtype=main_params_dtype, main_grads_dtype=main_grads_dtype)
     with megatron_fsdp_init_step_left_out(optimizer):  # its state-building step changes nothing
         model, optimizer = megatron_fsdp.fully_shard(
             model,
@@ -280,8 +285,8 @@ def _build_megatron_fsdp(cfg, device, meshes, config, tokenizer, plan, pretraine
             mixed_precision_policy=policy,
             device=device,
         )
-    # Fine-tuning (init_from_pretrained): after sharding, into the fp32 main weights; loaded before, the weights
-    # would reach them only through the bf16 compute weights above, rounded.
+    # Fine-tuning (init_from_pretrained): after sharding, into the main weights (fp32, or the bf16 weights); loaded
+    # before, fp32 main weights would reach them only through the bf16 compute weights above, rounded.
     apply_pretrained_weights(model, pretrained)
     train_model = torch.compile(model) if cfg.use_torch_compile else model
     return BuiltModel(model, train_model, config, tokenizer, plan, model_flops, "mfsdp", optimizer=optimizer)

@@ -1,5 +1,6 @@
 """Pre-train Geneformer with Megatron-FSDP (``megatron_fsdp.fully_shard``): NVIDIA's FSDP with bucketed, overlapped
-communication and fp32 main weights kept in its own sharded buffers. NVIDIA GPUs only. The recipe's main entrypoint.
+communication and fp32 main weights kept in its own sharded buffers (or bf16 weights alone:
+``mixed_precision.fp32_master_weights=false``). NVIDIA GPUs only. The recipe's main entrypoint.
 
     torchrun --nproc_per_node=8 train_mfsdp.py --config-name 4b dataset.path=/data/genecorpus
     torchrun --nproc_per_node=8 train_mfsdp.py --config-name 4b dataset.path=/data/genecorpus fp8_config.enabled=true
@@ -13,7 +14,6 @@ from pathlib import Path
 
 import hydra
 import torch
-from adamw import check_megatron_fsdp_weights
 from checkpoint import Checkpointer, export_final_model, gather_full_state_dict
 from dataset import create_dataloader, held_out_batches
 from distributed import Meshes, cleanup_distributed, move_to_device, setup_distributed
@@ -50,7 +50,6 @@ def import_megatron_fsdp():
 @report_user_errors(hydra.main(config_path="hydra_config", config_name="L0_sanity", version_base="1.3"))
 def main(cfg: DictConfig) -> None:
     check_config(cfg)  # a `???` value left unset or a mistyped override (num_train_steps=abc) fails here, by name
-    check_megatron_fsdp_weights(cfg)  # fp32 main weights: bf16 weights are refused here, before any work
     quiet_progress_bars_off_a_terminal()  # in a log file a bar is one endless line
     import_megatron_fsdp()
     dist_config, device = setup_distributed(require_process_group=True)

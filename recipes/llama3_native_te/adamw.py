@@ -16,8 +16,8 @@ torch's AdamW.
 
 Megatron-FSDP (``train_mfsdp.py``) shards the optimizer built here together with the model, inside
 ``megatron_fsdp_init_step_left_out`` (below): its ``fully_shard`` runs one optimizer step on zero gradients to build
-the state, which that context turns into a step that changes nothing and counts nothing. It keeps fp32 main weights:
-bf16 weights there are refused at start (``check_megatron_fsdp_weights``).
+the state, which that context turns into a step that changes nothing and counts nothing. With bf16 weights the
+optimizer there is ``CompensatedAdamW`` too, over Megatron-FSDP's bf16 shards (``mixed_precision.megatron_fsdp_precision``).
 """
 
 import contextlib
@@ -89,19 +89,3 @@ def megatron_fsdp_init_step_left_out(optimizer: torch.optim.Optimizer) -> Iterat
         for key in _STEP_STATE:
             if key in state:
                 state[key].zero_()
-
-
-def check_megatron_fsdp_weights(cfg) -> None:
-    """``train_mfsdp.py`` with bf16 compute keeps fp32 main weights; bf16 weights are refused before anything runs.
-
-    Without main weights Megatron-FSDP (0.6) still reduces gradients in fp32 and hands them to the bf16 parameters,
-    which torch refuses ("attempting to assign a gradient with dtype 'float' to a tensor with grad_dtype 'BFloat16'")
-    in the first backward pass: measured on an H200 with torch 2.11. bf16 weights train through ``train_ddp.py`` and
-    ``train_fsdp2.py``, with ``CompensatedAdamW``.
-    """
-    mp_cfg = cfg.mixed_precision
-    if mp_cfg.enabled and not mp_cfg.fp32_master_weights:
-        raise ConfigError(
-            "train_mfsdp.py keeps fp32 main weights (Megatron-FSDP cannot hand its fp32 gradients to bf16 weights): "
-            "remove mixed_precision.fp32_master_weights=false, or train bf16 weights with train_fsdp2.py or train_ddp.py"
-        )

@@ -28,7 +28,12 @@ import torch
 from adamw import build_adamw, megatron_fsdp_init_step_left_out
 from convert import convert_vit_hf_to_te, nv_config_from_hf
 from distributed import Meshes, data_parallel_wrapper
-from mixed_precision import computes_in_bf16, keeps_fp32_master_weights, mixed_precision_policy
+from mixed_precision import (
+    computes_in_bf16,
+    keeps_fp32_master_weights,
+    megatron_fsdp_precision,
+    mixed_precision_policy,
+)
 from modeling_vit_te import NVViTConfig, NVViTForImageClassification, resolve_backend, tensor_parallel_shard
 from omegaconf import DictConfig, OmegaConf
 from perf_logger import ModelFlops
@@ -304,7 +309,8 @@ def _build_megatron_fsdp(cfg, device, meshes, config, plan, pretrained) -> Built
 
     Megatron-FSDP's meta-device path would initialise weights with each module's reset_parameters(), not the model's
     own initialisation, so it is not used. Its fp32 main weights live in its own sharded buffers, so the model itself
-    is cast to bf16 whenever bf16 compute is on.
+    is cast to bf16 whenever bf16 compute is on; with ``fp32_master_weights: false`` those bf16 weights are what
+    trains.
 
     With tensor parallelism the whole model is built first, as one GPU builds it (same seed, same numbers), and each
     rank keeps its share of it: a run with ``mfsdp.tp=2`` starts from the weights of a 1-GPU run, not from TE's
@@ -330,17 +336,16 @@ def _build_megatron_fsdp(cfg, device, meshes, config, plan, pretrained) -> Built
             )
         model = _tensor_parallel_share(model, config, plan, mesh["tp"], device)
     if cfg.mixed_precision.enabled:
-        model.to(torch.bfloat16)  # compute weights; fp32 main weights live in Megatron-FSDP's buffers
+        # bf16 compute weights beside fp32 main weights in Megatron-FSDP's buffers, or the bf16 weights that train
+        model.to(torch.bfloat16)
     _log_model(model)
 
     # Each transformer layer is one FSDP unit; the optimizer's parameter groups are rebuilt over the shards. The
-    # optimizer is the other entrypoints' (adamw.py: torch's fused AdamW over the fp32 main weights, which
-    # train_mfsdp.py requires with bf16 compute).
+    # optimizer is the other entrypoints' (adamw.py): torch's fused AdamW over fp32 main weights, or CompensatedAdamW
+    # over bf16 weights (mixed_precision.fp32_master_weights=false), which then get bf16 gradients.
     optimizer = build_adamw(model.parameters(), cfg, device)
-    policy = megatron_fsdp.MixedPrecisionPolicy(
-        main_params_dtype=torch.float32 if cfg.mixed_precision.fp32_master_weights else None,
-        main_grads_dtype=torch.float32,
-    )
+    main_params_dtype, main_grads_dtype = megatron_fsdp_precision(cfg.mixed_precision, device)
+    policy = megatron_fsdp.MixedPrecisionPolicy(main_params_dtype=main_params_dtype, main_grads_dtype=main_grads_dtype)
     hsdp = mesh["dp_replicate"].size() > 1
     with megatron_fsdp_init_step_left_out(optimizer):  # its state-building step changes nothing
         model, optimizer = megatron_fsdp.fully_shard(
@@ -357,7 +362,8 @@ def _build_megatron_fsdp(cfg, device, meshes, config, plan, pretrained) -> Built
             device=device,
         )
     if not tensor_parallel:
-        # Fine-tuning (init_from_pretrained): after sharding, into the fp32 main weights; loaded before, the weights
+        # Fine-tuning (init_from_pretrained): after sharding, into the main weights (fp32, or the bf16 weights); loaded
+        # before, fp32 main weights
         # would reach them only through the bf16 compute weights above, rounded.
         apply_pretrained_weights(model, pretrained)
     train_model = torch.compile(model) if cfg.use_torch_compile else model

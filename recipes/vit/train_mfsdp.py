@@ -1,5 +1,6 @@
 """Train a ViT image classifier with Megatron-FSDP (``megatron_fsdp.fully_shard``): NVIDIA's FSDP with bucketed,
-overlapped communication and fp32 main weights in its own sharded buffers, over a mesh of replicas (HSDP), shards and tensor-parallel ranks.
+overlapped communication and fp32 main weights in its own sharded buffers (or bf16 weights alone:
+``mixed_precision.fp32_master_weights=false``), over a mesh of replicas (HSDP), shards and tensor-parallel ranks.
 NVIDIA GPUs only.
 
     torchrun --nproc_per_node=8 train_mfsdp.py --config-name vit_base dataset.path=/data/imagenet
@@ -16,7 +17,6 @@ from pathlib import Path
 
 import hydra
 import torch
-from adamw import check_megatron_fsdp_weights
 from checkpoint import Checkpointer, export_final_model, gather_full_state_dict
 from dataset import create_dataloaders
 from distributed import Meshes, cleanup_distributed, move_to_device, setup_distributed
@@ -52,7 +52,6 @@ def import_megatron_fsdp():
 @report_user_errors(hydra.main(config_path="hydra_config", config_name="L0_sanity", version_base="1.3"))
 def main(cfg: DictConfig) -> None:
     check_config(cfg)  # a `???` value left unset or a mistyped override (num_train_steps=abc) fails here, by name
-    check_megatron_fsdp_weights(cfg)  # fp32 main weights: bf16 weights are refused here, before any work
     quiet_progress_bars_off_a_terminal()  # in a log file a bar is one endless line
     import_megatron_fsdp()
     dist_config, device = setup_distributed(require_process_group=True)

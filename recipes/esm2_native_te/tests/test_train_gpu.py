@@ -200,8 +200,10 @@ DETERMINISTIC = {"NVTE_ALLOW_NONDETERMINISTIC_ALGO": "0"}
         [],
         ["+model_config_overrides.fused_residual_norm=true"],
         ["use_torch_compile=true"],
+        # bf16 weights: Megatron-FSDP's bf16 shards and bf16 gradients, CompensatedAdamW's Triton kernel
+        ["mixed_precision.fp32_master_weights=false"],
     ],
-    ids=["te-layers", "fused-residual", "compile"],
+    ids=["te-layers", "fused-residual", "compile", "bf16-weights"],
 )
 def test_megatron_fsdp_learns_and_exports(tmp_path, overrides):
     metrics = train_on_gpu("train_mfsdp.py", tmp_path, "dataset.input_format=thd", VALIDATE, *overrides, nproc=1)
@@ -227,14 +229,17 @@ def assert_same_run(first: Path, second: Path) -> None:
 
 @pytest.mark.requires_te
 @needs_megatron_fsdp
-def test_megatron_fsdp_stop_and_go_matches_uninterrupted_run(tmp_path):
-    """Megatron-FSDP with TE layers in bf16 over its fp32 main weights, THD, two micro-batches a step, asynchronous
-    saves: 60 steps in one go and 30 + resume + 30 log the same losses, gradient norms and held-out losses bit for bit
-    and export the same weights. So a checkpoint restores the fp32 main weights (not the bf16 compute weights they are
-    rounded to), the AdamW moments and step count, the schedule and the data position."""
+@pytest.mark.parametrize("fp32_master_weights", [True, False], ids=["fp32-main-weights", "bf16-weights"])
+def test_megatron_fsdp_stop_and_go_matches_uninterrupted_run(tmp_path, fp32_master_weights):
+    """Megatron-FSDP with TE layers in bf16, THD, two micro-batches a step, asynchronous saves: 60 steps in one go and
+    30 + resume + 30 log the same losses, gradient norms and held-out losses bit for bit and export the same weights.
+    So a checkpoint restores the fp32 main weights (not the bf16 compute weights they are rounded to), or the bf16
+    weights with CompensatedAdamW's low bits, and the AdamW moments and step count, the schedule and the data
+    position."""
     common = [
         "+model_config_overrides.backend=te",
         "dataset.input_format=thd",
+        f"mixed_precision.fp32_master_weights={str(fp32_master_weights).lower()}",
         "grad_acc_steps=2",
         "checkpoint.async_save=true",
         "logger.log_every=1",
@@ -286,6 +291,21 @@ def test_megatron_fsdp_on_one_gpu_trains_as_ddp_does(tmp_path):
     train_on_gpu("train_mfsdp.py", tmp_path / "mfsdp", *common, nproc=1, steps=6)
     train_on_gpu("train_ddp.py", tmp_path / "ddp", *common, nproc=1, steps=6)
     assert_same_training_to_float32_rounding(tmp_path / "mfsdp", tmp_path / "ddp")
+
+
+@pytest.mark.requires_te
+@needs_megatron_fsdp
+def test_megatron_fsdp_with_bf16_weights_trains_as_ddp_does(tmp_path):
+    """bf16 weights on one GPU (TE layers, THD): Megatron-FSDP's bf16 shards with bf16 gradients and DDP's bf16 model
+    both train with CompensatedAdamW from the same seed and batches, so they log the same losses to bf16 noise (the
+    low bits' random start follows each optimizer's parameter layout, so not bit for bit). A run that dropped the
+    updates, or applied Megatron-FSDP's state-building step, would part from DDP's within the first steps."""
+    common = ["+model_config_overrides.backend=te", "dataset.input_format=thd", "logger.log_every=1"]
+    common += ["mixed_precision.fp32_master_weights=false"]
+    mfsdp = train_on_gpu("train_mfsdp.py", tmp_path / "mfsdp", *common, nproc=1, steps=30, env=DETERMINISTIC)
+    ddp = train_on_gpu("train_ddp.py", tmp_path / "ddp", *common, nproc=1, steps=30, env=DETERMINISTIC)
+    assert [m["step"] for m in mfsdp] == [m["step"] for m in ddp] == list(range(1, 31))
+    assert [m["loss"] for m in mfsdp] == pytest.approx([m["loss"] for m in ddp], rel=1e-2, abs=0)
 
 
 @pytest.mark.requires_te

@@ -123,12 +123,6 @@ def test_megatron_fsdp_without_gpus(tmp_path):
     assert_user_error(result, "train_mfsdp.py needs CUDA GPUs", "use train_fsdp2.py")
 
 
-def test_megatron_fsdp_with_bf16_weights(tmp_path):
-    """Refused by name before anything runs (Megatron-FSDP 0.6 would fail in the first backward pass on a GPU)."""
-    result = fail("train_mfsdp.py", tmp_path, "mixed_precision.fp32_master_weights=false")
-    assert_user_error(result, "train_mfsdp.py keeps fp32 main weights", "train bf16 weights with train_fsdp2.py")
-
-
 # ---------------------------------------------------------------------------------------------------- resume, export
 
 

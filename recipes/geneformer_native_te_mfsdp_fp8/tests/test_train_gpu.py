@@ -80,6 +80,12 @@ def assert_learned(metrics: list[dict], threshold: float = LOSS_THRESHOLD, last_
         # bf16 weights, sharded: CompensatedAdamW's Triton kernel updates each local shard.
         ("train_fsdp2.py", ["dataset.input_format=thd", "mixed_precision.fp32_master_weights=false"]),
         pytest.param("train_mfsdp.py", ["dataset.input_format=thd"], marks=needs_megatron_fsdp),
+        # bf16 weights under Megatron-FSDP: its bf16 shards, bf16 gradients and CompensatedAdamW
+        pytest.param(
+            "train_mfsdp.py",
+            ["dataset.input_format=thd", "mixed_precision.fp32_master_weights=false"],
+            marks=needs_megatron_fsdp,
+        ),
     ],
 )
 def test_te_backend_learns_and_exports(tmp_path, script, overrides):

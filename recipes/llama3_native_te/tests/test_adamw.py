@@ -3,8 +3,9 @@
 
 import pytest
 import torch
-from adamw import build_adamw, check_megatron_fsdp_weights, megatron_fsdp_init_step_left_out
+from adamw import build_adamw, megatron_fsdp_init_step_left_out
 from compensated_adamw import CompensatedAdamW, join_master
+from mixed_precision import megatron_fsdp_precision
 from omegaconf import OmegaConf
 from user_errors import ConfigError
 
@@ -131,8 +132,17 @@ def test_megatron_fsdp_state_building_step_is_left_out(fp32_master_weights):
     assert not all(torch.equal(value, expected) for value, expected in zip(plain_weights, expected_weights))
 
 
-def test_megatron_fsdp_refuses_bf16_weights_by_name():
-    with pytest.raises(ConfigError, match="train_mfsdp.py keeps fp32 main weights"):
-        check_megatron_fsdp_weights(config(fp32_master_weights=False))
-    check_megatron_fsdp_weights(config())  # fp32 main weights
-    check_megatron_fsdp_weights(config(fp32_master_weights=False, enabled=False))  # float32 throughout
+@pytest.mark.parametrize(
+    ("cfg", "expected"),
+    [
+        (config(), (torch.float32, torch.float32)),  # fp32 main weights and gradients, bf16 compute weights
+        (config(fp32_master_weights=False), (None, None)),  # bf16 weights: bf16 gradients, CompensatedAdamW
+        (config(fp32_master_weights=False, enabled=False), (torch.float32, torch.float32)),  # float32 throughout
+        (config(fp32_master_weights=False, on_cpu=False), (torch.float32, torch.float32)),  # no bf16 on this CPU
+    ],
+)
+def test_megatron_fsdp_keeps_fp32_main_weights_and_gradients_unless_the_weights_are_bf16(cfg, expected):
+    """Megatron-FSDP's (main_params_dtype, main_grads_dtype): fp32 main gradients beside bf16 weights would reach the
+    optimizer uncast (torch refuses them in the first backward pass); bf16 weights get bf16 gradients, as under
+    FSDP2 and DDP."""
+    assert megatron_fsdp_precision(cfg.mixed_precision, CPU) == expected

@@ -204,15 +204,6 @@ def test_megatron_fsdp_without_a_gpu_says_so(tmp_path, images):
     assert_user_error(result, "needs CUDA GPUs")
 
 
-def test_megatron_fsdp_with_bf16_weights_is_refused_by_name(tmp_path, images):
-    """Before anything runs (Megatron-FSDP 0.6 would fail in the first backward pass on a GPU)."""
-    result = run_script(
-        "train_mfsdp.py", f"output_dir={tmp_path}", f"dataset.path={images}", "mixed_precision.fp32_master_weights=false",
-        expect_failure=True,
-    )  # fmt: skip
-    assert_user_error(result, "train_mfsdp.py keeps fp32 main weights", "train bf16 weights with train_fsdp2.py")
-
-
 def test_resume_with_another_model_shape_is_refused(tmp_path, images):
     train("train_ddp.py", tmp_path, images, "num_train_steps=2", "validation.every_n_steps=0", "dataset.num_workers=0")
     result = run_script(

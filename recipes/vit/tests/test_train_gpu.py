@@ -43,6 +43,8 @@ def best_accuracy(output_dir: Path) -> float:
         # bf16 weights, sharded: CompensatedAdamW's Triton kernel updates each local shard.
         ("train_fsdp2.py", ["mixed_precision.fp32_master_weights=false"]),
         pytest.param("train_mfsdp.py", [], marks=needs_megatron_fsdp),
+        # bf16 weights under Megatron-FSDP: its bf16 shards, bf16 gradients and CompensatedAdamW
+        pytest.param("train_mfsdp.py", ["mixed_precision.fp32_master_weights=false"], marks=needs_megatron_fsdp),
     ],
 )
 def test_te_backend_learns_the_patterns_and_exports(tmp_path, images, script, overrides):
