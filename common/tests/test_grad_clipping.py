@@ -75,3 +75,14 @@ def test_measures_without_clipping(tmp_path):
     norm, pieces = results[0]
     assert abs(norm - expected_norm) < 1e-5 * expected_norm
     torch.testing.assert_close(pieces[3], full[3], rtol=0, atol=0)  # untouched
+
+
+def test_bf16_gradients_norms_are_float32():
+    """Megatron-FSDP with bf16 weights hands bf16 gradients: each tensor's norm is taken in float32, not rounded to
+    bf16 first (sqrt(3) is 1.7320508 in float32 and 1.734375 in bf16)."""
+    params = [torch.nn.Parameter(torch.zeros(3, dtype=torch.bfloat16)) for _ in range(2)]
+    for param in params:
+        param.grad = torch.ones(3, dtype=torch.bfloat16)
+    norm = clip_sharded_grad_norm_(params, None)
+    assert norm.dtype == torch.float32
+    assert norm.item() == torch.tensor(6.0).sqrt().item()  # sqrt(3 + 3)

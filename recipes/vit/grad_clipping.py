@@ -36,7 +36,9 @@ def clip_sharded_grad_norm_(parameters: Iterable[torch.Tensor], max_norm: float 
     for (mesh, sharded_dims), pieces in pieces_by_reduction.items():
         part = torch.zeros((), dtype=torch.float32, device=device)
         if pieces:
-            part += torch.stack([n.float() for n in torch._foreach_norm(pieces)]).square().sum()
+            # float32 norms straight from the kernel: bf16 gradients' norms would be rounded to bf16 and cast back
+            # one by one (a cast kernel per tensor)
+            part += torch.stack(torch._foreach_norm(pieces, 2, dtype=torch.float32)).square().sum()
         for dim in sharded_dims:
             dist.all_reduce(part, group=mesh.get_group(dim))
         squares += part

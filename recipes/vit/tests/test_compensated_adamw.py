@@ -233,10 +233,12 @@ def kernel_equals_torch_path(module, device: str, exact: bool) -> None:
         eps=1e-8,
     )
     for dtype in (torch.float32, torch.bfloat16):
-        for numel in (1, 2047, 2048, 5000):  # less than, exactly and more than one block of the kernel
-            by_torch = kernel_inputs(numel, dtype)
-            by_kernel = [None if t is None else t.to(device) for t in by_torch]
-            module._update_with_triton(*by_kernel, scalars)
+        # less than, exactly and more than one block of the kernel, all in one launch (a multi-tensor kernel)
+        numels = (1, 2047, 2048, 5000)
+        inputs = [kernel_inputs(numel, dtype) for numel in numels]
+        on_device = [[None if t is None else t.to(device) for t in tensors] for tensors in inputs]
+        module.update_many_with_triton([tuple(tensors) for tensors in on_device], scalars, module._BlockTables())
+        for numel, by_torch, by_kernel in zip(numels, inputs, on_device):
             module.update_with_torch(*by_torch, scalars)
             by_kernel = [None if t is None else t.cpu() for t in by_kernel]
             where = f"{dtype}, {numel} elements"
@@ -267,6 +269,42 @@ def test_triton_kernel_equals_the_torch_path_on_the_gpu():
     module = fresh_module()
     assert os.environ.get("TRITON_INTERPRET") != "1"
     kernel_equals_torch_path(module, "cuda", exact=False)
+
+
+@pytest.mark.requires_gpu
+def test_a_step_on_the_gpu_equals_the_torch_path_on_the_cpu():
+    """``step`` on CUDA (bf16 and float32 parameters in two groups with their own settings, one launch per dtype
+    mix, a tensor too small to fill a block, a non-contiguous one through the torch path) against the same optimizer
+    on CPU (the torch path for every tensor): the same master weights and moments to float32 rounding."""
+    module = fresh_module()
+    shapes = ((33, 17), (5,), (3000,), (2048,))
+    runs = {}
+    for device in ("cpu", "cuda"):
+        bf16 = [torch.nn.Parameter(p.detach().to(device)) for p in bf16_parameters(shapes=shapes)]
+        fp32 = [torch.nn.Parameter(p.detach().float().to(device)) for p in bf16_parameters(seed=1, shapes=shapes)]
+        strided = torch.nn.Parameter(torch.zeros(8, 6, device=device, dtype=torch.bfloat16).t())
+        groups = [{"params": [*bf16, strided]}, {"params": fp32, "weight_decay": 0.0, "lr": 3e-4}]
+        # low bits from zero: the dither's random numbers differ between a CPU and a CUDA generator
+        optimizer = module.CompensatedAdamW(
+            groups, lr=1e-4, betas=(0.9, 0.98), weight_decay=0.01, initial_compensation="zero"
+        )
+        params = [*bf16, strided, *fp32]
+        for step in range(5):
+            for param, grad in zip(params, gradients(params, step)):
+                param.grad = grad.to(device)
+            optimizer.step()
+        runs[device] = (optimizer, params)
+    (cpu_optimizer, cpu_params), (gpu_optimizer, gpu_params) = runs["cpu"], runs["cuda"]
+    for index, (on_cpu, on_gpu) in enumerate(zip(cpu_params, gpu_params)):
+        cpu_state, gpu_state = cpu_optimizer.state[on_cpu], gpu_optimizer.state[on_gpu]
+        expected, actual = on_cpu.detach().float(), on_gpu.detach().float().cpu()
+        if "compensation" in cpu_state:
+            expected = module.join_master(on_cpu.detach(), cpu_state["compensation"])
+            actual = module.join_master(on_gpu.detach().cpu(), gpu_state["compensation"].cpu())
+        assert int(gpu_state["step"]) == 5
+        torch.testing.assert_close(actual, expected, rtol=1e-6, atol=1e-9, msg=f"parameter {index}")
+        for key in ("exp_avg", "exp_avg_sq"):
+            torch.testing.assert_close(gpu_state[key].cpu(), cpu_state[key], rtol=2**-7, atol=0, msg=key)
 
 
 @pytest.mark.requires_gpu
