@@ -275,7 +275,9 @@ def test_triton_kernel_equals_the_torch_path_on_the_gpu():
 def test_a_step_on_the_gpu_equals_the_torch_path_on_the_cpu():
     """``step`` on CUDA (bf16 and float32 parameters in two groups with their own settings, one launch per dtype
     mix, a tensor too small to fill a block, a non-contiguous one through the torch path) against the same optimizer
-    on CPU (the torch path for every tensor): the same master weights and moments to float32 rounding."""
+    on CPU (the torch path for every tensor): the same master weights and moments to float32 rounding. The moments
+    are float32 here: in bf16 a last-bit difference of the compiled arithmetic can flip a moment's rounding and move
+    the next update by 2^-8 of itself (the per-element arithmetic in bf16 is checked against the torch path above)."""
     module = fresh_module()
     shapes = ((33, 17), (5,), (3000,), (2048,))
     runs = {}
@@ -286,7 +288,12 @@ def test_a_step_on_the_gpu_equals_the_torch_path_on_the_cpu():
         groups = [{"params": [*bf16, strided]}, {"params": fp32, "weight_decay": 0.0, "lr": 3e-4}]
         # low bits from zero: the dither's random numbers differ between a CPU and a CUDA generator
         optimizer = module.CompensatedAdamW(
-            groups, lr=1e-4, betas=(0.9, 0.98), weight_decay=0.01, initial_compensation="zero"
+            groups,
+            lr=1e-4,
+            betas=(0.9, 0.98),
+            weight_decay=0.01,
+            initial_compensation="zero",
+            state_dtype=torch.float32,
         )
         params = [*bf16, strided, *fp32]
         for step in range(5):
@@ -304,7 +311,7 @@ def test_a_step_on_the_gpu_equals_the_torch_path_on_the_cpu():
         assert int(gpu_state["step"]) == 5
         torch.testing.assert_close(actual, expected, rtol=1e-6, atol=1e-9, msg=f"parameter {index}")
         for key in ("exp_avg", "exp_avg_sq"):
-            torch.testing.assert_close(gpu_state[key].cpu(), cpu_state[key], rtol=2**-7, atol=0, msg=key)
+            torch.testing.assert_close(gpu_state[key].cpu(), cpu_state[key], rtol=1e-6, atol=1e-12, msg=key)
 
 
 @pytest.mark.requires_gpu
