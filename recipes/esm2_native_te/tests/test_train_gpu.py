@@ -200,15 +200,10 @@ DETERMINISTIC = {"NVTE_ALLOW_NONDETERMINISTIC_ALGO": "0"}
         [],
         ["+model_config_overrides.fused_residual_norm=true"],
         ["use_torch_compile=true"],
-        # bf16 weights: Megatron-FSDP's bf16 shards and bf16 gradients, CompensatedAdamW's Triton kernel
-        ["mixed_precision.fp32_master_weights=false"],
     ],
-    ids=["te-layers", "fused-residual", "compile", "bf16-weights"],
+    ids=["te-layers", "fused-residual", "compile"],
 )
 def test_megatron_fsdp_learns_and_exports(tmp_path, overrides):
-    # Logged every 5 steps: the last 20 steps' mean is then 4 batches' losses, not 2. Near the plateau at the residue
-    # background entropy one batch's loss varies by ~0.04 (a bf16-weights run at a64a024 logged 2.835 and 2.879).
-    overrides = ["logger.log_every=5", *overrides]
     metrics = train_on_gpu("train_mfsdp.py", tmp_path, "dataset.input_format=thd", VALIDATE, *overrides, nproc=1)
     assert_learned(metrics)
     assert_export_reproduces_checkpoint(tmp_path, step=100)

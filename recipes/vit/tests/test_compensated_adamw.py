@@ -309,9 +309,18 @@ def test_a_step_on_the_gpu_equals_the_torch_path_on_the_cpu():
             expected = module.join_master(on_cpu.detach(), cpu_state["compensation"])
             actual = module.join_master(on_gpu.detach().cpu(), gpu_state["compensation"].cpu())
         assert int(gpu_state["step"]) == 5
-        torch.testing.assert_close(actual, expected, rtol=1e-6, atol=1e-9, msg=f"parameter {index}")
+        torch.testing.assert_close(
+            actual, expected, rtol=1e-6, atol=1e-9, msg=lambda m, i=index: f"parameter {i}: {m}"
+        )
         for key in ("exp_avg", "exp_avg_sq"):
-            torch.testing.assert_close(gpu_state[key].cpu(), cpu_state[key], rtol=1e-6, atol=1e-12, msg=key)
+            # atol: moments near zero are differences of O(1) gradients, so their rounding error is absolute
+            torch.testing.assert_close(
+                gpu_state[key].cpu(),
+                cpu_state[key],
+                rtol=1e-6,
+                atol=1e-8,
+                msg=lambda m, k=key, i=index: f"{k} {i}: {m}",
+            )
 
 
 @pytest.mark.requires_gpu
