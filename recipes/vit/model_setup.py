@@ -363,8 +363,7 @@ def _build_megatron_fsdp(cfg, device, meshes, config, plan, pretrained) -> Built
         )
     if not tensor_parallel:
         # Fine-tuning (init_from_pretrained): after sharding, into the main weights (fp32, or the bf16 weights); loaded
-        # before, fp32 main weights
-        # would reach them only through the bf16 compute weights above, rounded.
+        # before, fp32 main weights would reach them only through the bf16 compute weights above, rounded.
         apply_pretrained_weights(model, pretrained)
     train_model = torch.compile(model) if cfg.use_torch_compile else model
     return BuiltModel(
