@@ -15,6 +15,9 @@ Why not ``torch.distributed.checkpoint.state_dict.set_model_state_dict``: with t
 failed at start, handing TE's attention an ``_extra_state`` it refuses ("Unsupported checkpoint format"; torch 2.11,
 TE 2.20, one H200). And why after sharding for Megatron-FSDP: weights loaded into the model before reach its fp32 main
 weights only through the bf16 compute weights, rounded.
+
+``weights_on_the_host(model)`` keeps a model's own float32 initialisation for the same load after sharding: Megatron-FSDP
+builds its fp32 main weights from the model it is given, which is already cast to bf16 by then.
 """
 
 import torch
@@ -68,6 +71,18 @@ def load_full_weights(
                 target.copy_(state[name])
             loaded[key] = target
     model.load_state_dict(loaded, strict=False)  # (the _extra_state keys are left out on purpose)
+
+
+def weights_on_the_host(model: torch.nn.Module) -> dict[str, torch.Tensor]:
+    """A host-memory copy of ``model``'s whole state dict at its dtypes (TE's ``_extra_state`` left out), in the form
+    ``load_full_weights`` takes: a model's float32 initialisation, kept past a cast to bf16 to be loaded exactly into
+    Megatron-FSDP's fp32 main weights after sharding. It costs host memory of the model's size on every rank, until
+    it is loaded."""
+    return {
+        key: value.detach().to("cpu", copy=True)
+        for key, value in model.state_dict().items()
+        if not key.endswith("_extra_state")
+    }
 
 
 def _local_part(sharded: DTensor) -> tuple[slice, ...]:

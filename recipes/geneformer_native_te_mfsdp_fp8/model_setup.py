@@ -37,7 +37,7 @@ from mixed_precision import (
 from modeling_geneformer_te import NVGeneformerConfig, NVGeneformerForMaskedLM, resolve_backend
 from omegaconf import DictConfig, OmegaConf
 from perf_logger import ModelFlops
-from pretrained_weights import load_full_weights
+from pretrained_weights import load_full_weights, weights_on_the_host
 from quantization import (
     QuantizationPlan,
     build_quantization,
@@ -253,15 +253,23 @@ def _build_megatron_fsdp(cfg, device, meshes, config, tokenizer, plan, pretraine
     """Megatron-FSDP: the model built whole on this GPU, then sharded together with its optimizer.
 
     Megatron-FSDP's meta-device path would initialise weights with each module's reset_parameters(), not the model's
-    own initialisation, so it is not used. Its fp32 main weights live in its own sharded buffers, so the model itself
-    is cast to bf16 whenever bf16 compute is on; with ``fp32_master_weights: false`` those bf16 weights are what
-    trains.
+    own initialisation, so it is not used. Its fp32 main weights live in its own sharded buffers, so the model itself is
+    cast to bf16 whenever bf16 compute is on; with ``fp32_master_weights: false`` those bf16 weights are what trains.
+    ``fully_shard`` builds those main weights from the bf16 model, so the float32 initialisation (or the pretrained
+    weights) is loaded into them after sharding.
     """
     import megatron_fsdp
 
     with torch.device(device):
         model = NVGeneformerForMaskedLM(config, fp8_recipe=plan.fp8_recipe, fp4_recipe=plan.fp4_recipe)
+    main_params_dtype, main_grads_dtype = megatron_fsdp_precision(cfg.mixed_precision, device)
+    float32_init = None
     if cfg.mixed_precision.enabled:
+        if pretrained is None and main_params_dtype == torch.float32:
+            # fully_shard builds the fp32 main weights from the bf16 model below: kept, the float32 initialisation
+            # goes into them after sharding; built from bf16 values, the first small updates would not move the
+            # bf16 compute weights (ESM-2 650M: loss 3.56 against 3.25 at step 10; docs/benchmarks.md).
+            float32_init = weights_on_the_host(model)
         # bf16 compute weights beside fp32 main weights in Megatron-FSDP's buffers, or the bf16 weights that train
         model.to(torch.bfloat16)
     model_flops = ModelFlops.from_model(model, config.num_hidden_layers, config.hidden_size)
@@ -271,7 +279,6 @@ def _build_megatron_fsdp(cfg, device, meshes, config, tokenizer, plan, pretraine
     # optimizer is the other entrypoints' (adamw.py): torch's fused AdamW over fp32 main weights, or CompensatedAdamW
     # over bf16 weights (mixed_precision.fp32_master_weights=false), which then get bf16 gradients.
     optimizer = build_adamw(model.parameters(), cfg, device)
-    main_params_dtype, main_grads_dtype = megatron_fsdp_precision(cfg.mixed_precision, device)
     policy = megatron_fsdp.MixedPrecisionPolicy(main_params_dtype=main_params_dtype, main_grads_dtype=main_grads_dtype)
     with megatron_fsdp_init_step_left_out(optimizer):  # its state-building step changes nothing
         model, optimizer = megatron_fsdp.fully_shard(
@@ -288,6 +295,8 @@ def _build_megatron_fsdp(cfg, device, meshes, config, tokenizer, plan, pretraine
     # Fine-tuning (init_from_pretrained): after sharding, into the main weights (fp32, or the bf16 weights); loaded
     # before, fp32 main weights would reach them only through the bf16 compute weights above, rounded.
     apply_pretrained_weights(model, pretrained)
+    if float32_init is not None:
+        load_full_weights(model, float32_init, "the float32 initialisation")
     train_model = torch.compile(model) if cfg.use_torch_compile else model
     return BuiltModel(model, train_model, config, tokenizer, plan, model_flops, "mfsdp", optimizer=optimizer)
 

@@ -37,7 +37,7 @@ from mixed_precision import (
 from modeling_vit_te import NVViTConfig, NVViTForImageClassification, resolve_backend, tensor_parallel_shard
 from omegaconf import DictConfig, OmegaConf
 from perf_logger import ModelFlops
-from pretrained_weights import load_full_weights
+from pretrained_weights import load_full_weights, weights_on_the_host
 from quantization import (
     QuantizationPlan,
     build_quantization,
@@ -308,9 +308,10 @@ def _build_megatron_fsdp(cfg, device, meshes, config, plan, pretrained) -> Built
     """Megatron-FSDP: the model built whole on this GPU, then sharded together with its optimizer.
 
     Megatron-FSDP's meta-device path would initialise weights with each module's reset_parameters(), not the model's
-    own initialisation, so it is not used. Its fp32 main weights live in its own sharded buffers, so the model itself
-    is cast to bf16 whenever bf16 compute is on; with ``fp32_master_weights: false`` those bf16 weights are what
-    trains.
+    own initialisation, so it is not used. Its fp32 main weights live in its own sharded buffers, so the model itself is
+    cast to bf16 whenever bf16 compute is on; with ``fp32_master_weights: false`` those bf16 weights are what trains.
+    ``fully_shard`` builds those main weights from the bf16 model, so the float32 initialisation (or the pretrained
+    weights) is loaded into them after sharding.
 
     With tensor parallelism the whole model is built first, as one GPU builds it (same seed, same numbers), and each
     rank keeps its share of it: a run with ``mfsdp.tp=2`` starts from the weights of a 1-GPU run, not from TE's
@@ -326,16 +327,25 @@ def _build_megatron_fsdp(cfg, device, meshes, config, plan, pretrained) -> Built
     tensor_parallel = mesh["tp"].size() > 1
     if tensor_parallel:
         # Each rank's share is cut from the whole model, so the pretrained weights go in first; Megatron-FSDP's fp32
-        # main weights then start from the bf16 compute weights below (pretrained weights rounded to bf16).
+        # main weights then start from the bf16 compute weights below (the weights rounded to bf16).
         apply_pretrained_weights(model, pretrained)
-        if pretrained is not None and cfg.mixed_precision.enabled and cfg.mixed_precision.fp32_master_weights:
-            logger.warning(
-                "mfsdp.tp=%d: the pretrained weights reach Megatron-FSDP's fp32 main weights rounded to bf16 "
-                "(without tensor parallelism they are loaded into the main weights exactly)",
-                mesh["tp"].size(),
-            )
         model = _tensor_parallel_share(model, config, plan, mesh["tp"], device)
+    main_params_dtype, main_grads_dtype = megatron_fsdp_precision(cfg.mixed_precision, device)
+    if tensor_parallel and cfg.mixed_precision.enabled and main_params_dtype == torch.float32:
+        logger.warning(
+            "mfsdp.tp=%d: Megatron-FSDP's fp32 main weights start from the %s rounded to bf16 "
+            "(without tensor parallelism they start from the float32 values exactly)",
+            mesh["tp"].size(),
+            "initialisation" if pretrained is None else "pretrained weights",
+        )
+    float32_init = None
     if cfg.mixed_precision.enabled:
+        if pretrained is None and main_params_dtype == torch.float32 and not tensor_parallel:
+            # fully_shard builds the fp32 main weights from the bf16 model below: kept, the float32 initialisation
+            # goes into them after sharding; built from bf16 values, the first small updates would not move the
+            # bf16 compute weights (ESM-2 650M: loss 3.56 against 3.25 at step 10; docs/benchmarks.md). With
+            # tensor parallelism the main weights still start on bf16 values (a rank's share is no full tensor).
+            float32_init = weights_on_the_host(model)
         # bf16 compute weights beside fp32 main weights in Megatron-FSDP's buffers, or the bf16 weights that train
         model.to(torch.bfloat16)
     _log_model(model)
@@ -344,7 +354,6 @@ def _build_megatron_fsdp(cfg, device, meshes, config, plan, pretrained) -> Built
     # optimizer is the other entrypoints' (adamw.py): torch's fused AdamW over fp32 main weights, or CompensatedAdamW
     # over bf16 weights (mixed_precision.fp32_master_weights=false), which then get bf16 gradients.
     optimizer = build_adamw(model.parameters(), cfg, device)
-    main_params_dtype, main_grads_dtype = megatron_fsdp_precision(cfg.mixed_precision, device)
     policy = megatron_fsdp.MixedPrecisionPolicy(main_params_dtype=main_params_dtype, main_grads_dtype=main_grads_dtype)
     hsdp = mesh["dp_replicate"].size() > 1
     with megatron_fsdp_init_step_left_out(optimizer):  # its state-building step changes nothing
@@ -365,6 +374,8 @@ def _build_megatron_fsdp(cfg, device, meshes, config, plan, pretrained) -> Built
         # Fine-tuning (init_from_pretrained): after sharding, into the main weights (fp32, or the bf16 weights); loaded
         # before, fp32 main weights would reach them only through the bf16 compute weights above, rounded.
         apply_pretrained_weights(model, pretrained)
+    if float32_init is not None:
+        load_full_weights(model, float32_init, "the float32 initialisation")
     train_model = torch.compile(model) if cfg.use_torch_compile else model
     return BuiltModel(
         model, train_model, config, plan, flops, "mfsdp", optimizer=optimizer, tensor_parallel_rank=tp_rank

@@ -251,6 +251,26 @@ def test_finetune_on_gpu_from_a_stock_checkpoint_and_from_its_export(tmp_path, s
         source = tmp_path / run / "final_model"
 
 
+@pytest.mark.requires_te
+@needs_megatron_fsdp
+def test_megatron_fsdp_main_weights_start_from_the_float32_initialisation(tmp_path):
+    """bf16 compute over fp32 main weights (the default; TE layers): with lr 0, Megatron-FSDP's export, gathered from
+    its main weights, holds DDP's float32 initialisation of the same seed exactly, not that initialisation rounded to
+    bf16 (what fully_shard builds its main weights from: the model is cast to bf16 before it)."""
+    for script in ("train_mfsdp.py", "train_ddp.py"):
+        run_script(
+            script, *FINETUNE, f"output_dir={tmp_path / script}", "+model_config_overrides.backend=te", nproc=1,
+            cpu_only=False, timeout=600,
+        )  # fmt: skip
+    mfsdp, ddp = (load_export(tmp_path / script).state_dict() for script in ("train_mfsdp.py", "train_ddp.py"))
+    assert mfsdp.keys() == ddp.keys()
+    for key, value in ddp.items():
+        assert torch.equal(mfsdp[key], value), key
+    # The test can tell: most of the initialisation lies between bf16 values.
+    weights = [value for value in ddp.values() if value.is_floating_point() and value.numel() > 1000]
+    assert all(not torch.equal(value, value.bfloat16().float()) for value in weights)
+
+
 @pytest.mark.requires_multi_gpu
 @pytest.mark.parametrize("script", ["train_ddp.py", "train_fsdp2.py", "train_mfsdp.py"])
 def test_two_gpus_learn(tmp_path, script):

@@ -14,8 +14,8 @@ import pytest
 import torch
 from convert import convert_vit_hf_to_te
 from launch import run_script
-from test_finetune import assert_export_holds, finetune
-from test_train import assert_export_holds_the_checkpoint, read_jsonl
+from test_finetune import NO_LEARNING, assert_export_holds, finetune
+from test_train import assert_export_holds_the_checkpoint, load_export, read_jsonl
 
 
 needs_megatron_fsdp = pytest.mark.skipif(
@@ -91,6 +91,26 @@ def test_megatron_fsdp_on_two_gpus_equals_one_gpu(tmp_path, images, mesh, micro_
 
 
 @pytest.mark.requires_te
+@needs_megatron_fsdp
+def test_megatron_fsdp_main_weights_start_from_the_float32_initialisation(tmp_path, images):
+    """bf16 compute over fp32 main weights (the default): with lr 0, Megatron-FSDP's export, gathered from its main
+    weights, holds DDP's float32 initialisation of the same seed exactly, not that initialisation rounded to bf16
+    (what fully_shard builds its main weights from: the model is cast to bf16 before it)."""
+    for script in ("train_mfsdp.py", "train_ddp.py"):
+        run_script(
+            script, f"output_dir={tmp_path / script}", f"dataset.path={images}", TE, *NO_LEARNING, nproc=1,
+            cpu_only=False, timeout=600,
+        )  # fmt: skip
+    mfsdp, ddp = (load_export(tmp_path / s / "final_model").state_dict() for s in ("train_mfsdp.py", "train_ddp.py"))
+    assert mfsdp.keys() == ddp.keys()
+    for key, value in ddp.items():
+        assert torch.equal(mfsdp[key], value), key
+    # The test can tell: most of the initialisation lies between bf16 values.
+    weights = [value for value in ddp.values() if value.is_floating_point() and value.numel() > 1000]
+    assert all(not torch.equal(value, value.bfloat16().float()) for value in weights)
+
+
+@pytest.mark.requires_te
 @pytest.mark.requires_multi_gpu
 def test_fsdp2_on_two_gpus_learns(tmp_path, images):
     train_on_gpu("train_fsdp2.py", tmp_path, images, TE, nproc=2)
@@ -161,7 +181,7 @@ def test_finetune_with_tensor_parallelism_starts_from_bf16_rounded_weights(tmp_p
     expected = convert_vit_hf_to_te(hf_model, backend="torch").state_dict()
     rounded = {key: value.to(torch.bfloat16).float() for key, value in expected.items() if value.is_floating_point()}
     result = finetune("train_mfsdp.py", tmp_path, images, path, "mfsdp.tp=2", nproc=2, cpu_only=False)
-    assert "mfsdp.tp=2: the pretrained weights reach Megatron-FSDP's fp32 main weights rounded to bf16" in (
+    assert "mfsdp.tp=2: Megatron-FSDP's fp32 main weights start from the pretrained weights rounded to bf16" in (
         result.stdout + result.stderr
     )
     assert_export_holds(tmp_path, rounded)
