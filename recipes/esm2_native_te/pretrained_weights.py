@@ -17,8 +17,8 @@ failed at start, handing TE's attention an ``_extra_state`` it refuses ("Unsuppo
 TE 2.20, one H200). And why after sharding for Megatron-FSDP: weights loaded into the model before reach its fp32 main
 weights only through the bf16 compute weights, rounded.
 
-``weights_on_the_host(model)`` keeps a model's own float32 initialisation for the same load after sharding: Megatron-FSDP
-builds its fp32 main weights from the model it is given, which is already cast to bf16 by then.
+``weights_on_the_host(model)`` keeps a model's own float32 initialisation for the same load after sharding:
+Megatron-FSDP builds its fp32 main weights from the model it is given, which is already cast to bf16 by then.
 """
 
 import torch

@@ -262,14 +262,13 @@ def _build_megatron_fsdp(cfg, device, meshes, config, tokenizer, plan, pretraine
 
     with torch.device(device):
         model = NVGeneformerForMaskedLM(config, fp8_recipe=plan.fp8_recipe, fp4_recipe=plan.fp4_recipe)
-    main_params_dtype, main_grads_dtype = megatron_fsdp_precision(cfg.mixed_precision, device)
-    float32_init = None
+    # fully_shard builds fp32 main weights from the model it is given, cast to bf16 below: the float32 initialisation
+    # is kept on the host and loaded into them after sharding (pretrained weights are loaded there anyway). Built from
+    # bf16 values, the first small updates would not move the bf16 compute weights (ESM-2 650M: loss 3.56 against
+    # 3.25 at step 10; docs/benchmarks.md).
+    keep_initialisation = pretrained is None and keeps_fp32_master_weights(cfg.mixed_precision, device)
+    float32_init = weights_on_the_host(model) if keep_initialisation else None
     if cfg.mixed_precision.enabled:
-        if pretrained is None and main_params_dtype == torch.float32:
-            # fully_shard builds the fp32 main weights from the bf16 model below: kept, the float32 initialisation
-            # goes into them after sharding; built from bf16 values, the first small updates would not move the
-            # bf16 compute weights (ESM-2 650M: loss 3.56 against 3.25 at step 10; docs/benchmarks.md).
-            float32_init = weights_on_the_host(model)
         # bf16 compute weights beside fp32 main weights in Megatron-FSDP's buffers, or the bf16 weights that train
         model.to(torch.bfloat16)
     model_flops = ModelFlops.from_model(model, config.num_hidden_layers, config.hidden_size)
@@ -279,6 +278,7 @@ def _build_megatron_fsdp(cfg, device, meshes, config, tokenizer, plan, pretraine
     # optimizer is the other entrypoints' (adamw.py): torch's fused AdamW over fp32 main weights, or CompensatedAdamW
     # over bf16 weights (mixed_precision.fp32_master_weights=false), which then get bf16 gradients.
     optimizer = build_adamw(model.parameters(), cfg, device)
+    main_params_dtype, main_grads_dtype = megatron_fsdp_precision(cfg.mixed_precision, device)
     policy = megatron_fsdp.MixedPrecisionPolicy(main_params_dtype=main_params_dtype, main_grads_dtype=main_grads_dtype)
     with megatron_fsdp_init_step_left_out(optimizer):  # its state-building step changes nothing
         model, optimizer = megatron_fsdp.fully_shard(

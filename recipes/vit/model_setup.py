@@ -330,22 +330,21 @@ def _build_megatron_fsdp(cfg, device, meshes, config, plan, pretrained) -> Built
         # main weights then start from the bf16 compute weights below (the weights rounded to bf16).
         apply_pretrained_weights(model, pretrained)
         model = _tensor_parallel_share(model, config, plan, mesh["tp"], device)
-    main_params_dtype, main_grads_dtype = megatron_fsdp_precision(cfg.mixed_precision, device)
-    if tensor_parallel and cfg.mixed_precision.enabled and main_params_dtype == torch.float32:
+    fp32_main_weights = keeps_fp32_master_weights(cfg.mixed_precision, device)
+    if tensor_parallel and fp32_main_weights:  # a rank's share is no full tensor: not loaded after sharding
         logger.warning(
             "mfsdp.tp=%d: Megatron-FSDP's fp32 main weights start from the %s rounded to bf16 "
             "(without tensor parallelism they start from the float32 values exactly)",
             mesh["tp"].size(),
             "initialisation" if pretrained is None else "pretrained weights",
         )
-    float32_init = None
+    # fully_shard builds fp32 main weights from the model it is given, cast to bf16 below: the float32 initialisation
+    # is kept on the host and loaded into them after sharding (pretrained weights are loaded there anyway). Built from
+    # bf16 values, the first small updates would not move the bf16 compute weights (ESM-2 650M: loss 3.56 against
+    # 3.25 at step 10; docs/benchmarks.md).
+    keep_initialisation = pretrained is None and fp32_main_weights and not tensor_parallel
+    float32_init = weights_on_the_host(model) if keep_initialisation else None
     if cfg.mixed_precision.enabled:
-        if pretrained is None and main_params_dtype == torch.float32 and not tensor_parallel:
-            # fully_shard builds the fp32 main weights from the bf16 model below: kept, the float32 initialisation
-            # goes into them after sharding; built from bf16 values, the first small updates would not move the
-            # bf16 compute weights (ESM-2 650M: loss 3.56 against 3.25 at step 10; docs/benchmarks.md). With
-            # tensor parallelism the main weights still start on bf16 values (a rank's share is no full tensor).
-            float32_init = weights_on_the_host(model)
         # bf16 compute weights beside fp32 main weights in Megatron-FSDP's buffers, or the bf16 weights that train
         model.to(torch.bfloat16)
     _log_model(model)
@@ -354,6 +353,7 @@ def _build_megatron_fsdp(cfg, device, meshes, config, plan, pretrained) -> Built
     # optimizer is the other entrypoints' (adamw.py): torch's fused AdamW over fp32 main weights, or CompensatedAdamW
     # over bf16 weights (mixed_precision.fp32_master_weights=false), which then get bf16 gradients.
     optimizer = build_adamw(model.parameters(), cfg, device)
+    main_params_dtype, main_grads_dtype = megatron_fsdp_precision(cfg.mixed_precision, device)
     policy = megatron_fsdp.MixedPrecisionPolicy(main_params_dtype=main_params_dtype, main_grads_dtype=main_grads_dtype)
     hsdp = mesh["dp_replicate"].size() > 1
     with megatron_fsdp_init_step_left_out(optimizer):  # its state-building step changes nothing
