@@ -29,6 +29,9 @@ boundaries, the window of the mask type, TE's deterministic setting). Under FP8 
 16 bits unless the recipe asks for FP8 attention (``fp8_dpa``/``fp8_mha``), so only such recipes keep TE's path.
 Context parallelism, dropout, other formats, and any argument not at the value that asks for nothing more
 (``NEUTRAL_ARGUMENTS``: what TE's ``MultiheadAttention`` passes on every call) take TE's path every time.
+Where the sequences lie end to end (no padded boundaries of their own), the direct backward also skips TE's zero
+fill of dQ, dK and dV (te_attention_backward.py: TE's C entry point on unfilled buffers, zeroing only the rows after
+the last sequence), where TE 2.20 allows it; elsewhere it calls TE's ``fused_attn_bwd``.
 
 ``call_cudnn_directly(layers)`` turns the ``DotProductAttention`` inside TE's own ``TransformerLayer`` into this class
 (it adds behaviour only: no parameters, buffers or state-dict keys), for the runs that use TE's layers rather than
@@ -40,6 +43,13 @@ import os
 
 import torch
 
+
+try:  # package import (models/*, exported checkpoints)
+    from .te_attention_backward import available as _backward_without_fill_available
+    from .te_attention_backward import backward_without_fill
+except ImportError:  # flat copy inside a recipe folder
+    from te_attention_backward import available as _backward_without_fill_available
+    from te_attention_backward import backward_without_fill
 
 try:
     import transformer_engine.pytorch as te
@@ -259,12 +269,20 @@ class _CuDNNAttention(torch.autograd.Function):
         )[:2]
         ctx.save_for_backward(query, key, value, out, cu_seqlens_q, cu_seqlens_kv, cu_padded_q, cu_padded_kv, *aux)
         ctx.settings = settings
+        # The padded boundaries are the boundaries themselves (no padding between sequences): the backward can skip
+        # TE's zero fill of dQ, dK and dV (te_attention_backward.py).
+        ctx.unpadded = cu_padded_q is cu_seqlens_q and cu_padded_kv is cu_seqlens_kv
         return out.view(*out.shape[:-2], -1)
 
     @staticmethod
     def backward(ctx, grad):
         query, key, value, out, cu_seqlens_q, cu_seqlens_kv, cu_padded_q, cu_padded_kv, *aux = ctx.saved_tensors
         settings = ctx.settings
+        if ctx.unpadded and _backward_without_fill_available():
+            d_query, d_key, d_value = backward_without_fill(
+                query, key, value, out, grad.view(out.shape).contiguous(), aux, cu_seqlens_q, cu_seqlens_kv, settings
+            )
+            return d_query, d_key, d_value, None, None, None, None, None
         d_query, d_key, d_value, *_ = fused_attn_bwd(
             **_keep(
                 _BWD_PARAMETERS,

@@ -58,6 +58,7 @@ CONTRACTS = {
             "packing.py",
             "meta_init.py",
             "te_attention.py",
+            "te_attention_backward.py",
             "activation_recompute.py",
             "layer_autocast.py",
             "packed_rope.py",

@@ -5,7 +5,7 @@ layers hand attention; anything else is left to TE's own path. The direct cuDNN 
 import pytest
 import torch
 
-from amplify_te import te_attention
+from amplify_te import te_attention, te_attention_backward
 
 
 TOKENS, HEADS, DIM = 7, 3, 8
@@ -86,3 +86,56 @@ def test_the_arguments_te_layers_pass_ask_for_nothing_more():
 def test_an_argument_that_asks_for_more_takes_te_path(name, value):
     arguments = {**TE_LAYER_ARGUMENTS, "window_size": (-1, 0), "bottom_right_diagonal": False, name: value}
     assert not te_attention.neutral_arguments(arguments, "padding_causal")
+
+
+# --------------------------------------------------------------------------- te_attention_backward (its CPU parts)
+
+
+@pytest.fixture
+def interpreted_tail_kernel(monkeypatch):
+    """The tail kernel built for Triton's CPU interpreter for this test (and forgotten afterwards)."""
+    if te_attention_backward.triton is None:
+        pytest.skip("Triton is not installed")
+    monkeypatch.setenv("TRITON_INTERPRET", "1")
+    monkeypatch.setattr(te_attention_backward, "_TAIL_KERNEL", None)
+
+
+@pytest.mark.parametrize(("rows", "width", "end"), [(37, 15, 25), (37, 15, 37), (37, 15, 0), (33, 1100, 17)])
+def test_rows_after_the_last_sequence_are_zeroed_and_no_others(rows, width, end, interpreted_tail_kernel):
+    """Blocks of 16 rows, one wholly before the end, one across it, one after; a width over one block of columns."""
+    tensor = torch.randn(rows, 3, width) + 5.0  # no zeros to begin with
+    before = tensor.clone()
+    cu_seqlens = torch.tensor([0, end // 2, end], dtype=torch.int32)
+    te_attention_backward.zero_rows_after_last_sequence(tensor, cu_seqlens)
+    assert torch.equal(tensor[:end], before[:end])
+    assert not tensor[end:].any()
+
+
+def test_the_tail_kernel_refuses_a_strided_tensor():
+    with pytest.raises(ValueError, match="contiguous"):
+        te_attention_backward.zero_rows_after_last_sequence(torch.zeros(4, 3, 2)[:, 0], torch.tensor([0, 2]))
+
+
+def test_unfilled_gradients_lie_as_the_inputs_do():
+    """th3d: dQ, dK, dV are views of one [tokens, heads, 3, head_dim] buffer, side by side as ``SplitPackedQKV``'s
+    backward hands them on without a copy; thd_thd_thd: three contiguous tensors of the inputs' shapes."""
+    query, key, value = te_attention.SplitPackedQKV.apply(torch.randn(TOKENS, HEADS, 3, DIM), -2)
+    buffers, gradients = te_attention_backward.empty_gradients(query, key, value, "th3d")
+    assert len(buffers) == 1 and buffers[0].shape == (TOKENS, HEADS, 3, DIM)
+    assert te_attention.packed_layout(*gradients) == "th3d"
+    assert te_attention._side_by_side(list(gradients), 2).data_ptr() == buffers[0].data_ptr()
+    query, key, value = (
+        torch.randn(TOKENS, 4 * HEADS, DIM),
+        torch.randn(TOKENS, HEADS, DIM),
+        torch.randn(TOKENS, HEADS, DIM),
+    )
+    buffers, gradients = te_attention_backward.empty_gradients(query, key, value, "thd_thd_thd")
+    assert [g.shape for g in gradients] == [query.shape, key.shape, value.shape] and buffers == list(gradients)
+    with pytest.raises(ValueError, match="t3hd"):
+        te_attention_backward.empty_gradients(query, key, value, "t3hd")
+
+
+def test_without_te_the_backward_without_fill_is_not_offered():
+    if te_attention_backward.transformer_engine is not None:
+        pytest.skip("TE is installed here")
+    assert not te_attention_backward.available()

@@ -39,10 +39,11 @@ def _attention(cls, heads, groups, mask):
     return module
 
 
-def _inputs(layout, heads, groups, dtype):
-    """Leaves (the QKV buffer, or query, key and value) and a function that makes query, key, value from them."""
+def _inputs(layout, heads, groups, dtype, tail=0):
+    """Leaves (the QKV buffer, or query, key and value) and a function that makes query, key, value from them;
+    ``tail``: rows after the last sequence (alignment padding)."""
     torch.manual_seed(0)
-    tokens = sum(LENGTHS)
+    tokens = sum(LENGTHS) + tail
     if layout == "th3d":
         leaves = [torch.randn(tokens, heads, 3, 64, device="cuda", dtype=dtype, requires_grad=True)]
         return leaves, lambda: te_attention.SplitPackedQKV.apply(leaves[0], -2)
@@ -72,6 +73,13 @@ def _run(module, leaves, make_qkv, mask, **extra):
     grad = torch.randn(out.shape, generator=torch.Generator("cuda").manual_seed(1), device="cuda", dtype=out.dtype)
     out.backward(grad)
     return [out.detach()] + [leaf.grad.clone() for leaf in leaves]
+
+
+def _te_gradients(layout, heads, groups, tail):
+    """TE's own attention (the reference): output and leaf gradients, and the leaves and q/k/v maker."""
+    leaves, make_qkv = _inputs(layout, heads, groups, torch.bfloat16, tail)
+    mask = CASES[layout][2]
+    return _run(_attention(te_attention.te.DotProductAttention, heads, groups, mask), leaves, make_qkv, mask), leaves
 
 
 def _assert_same_bits(actual, expected):
@@ -217,3 +225,58 @@ def test_fused_amplify_learns_the_same_bits_from_its_second_step_on(direct_calls
     second = loss_and_grads()
     assert len(direct_calls) == shape["num_hidden_layers"]
     _assert_same_bits(second, first)
+
+
+@pytest.mark.parametrize("layout", list(CASES))
+def test_the_backward_without_te_fill_gives_te_bits_and_zero_rows_after_the_sequences(layout, monkeypatch):
+    """The direct path's backward (te_attention_backward.py: TE's C entry point on unfilled buffers): dQ, dK and dV
+    bit for bit as TE's path gives them, with 13 rows of alignment padding after the last sequence; and called
+    directly on buffers full of NaN, the rows after the last sequence come out zero and the others as TE's."""
+    from amplify_te import te_attention_backward
+
+    assert te_attention_backward.available()
+    monkeypatch.setenv("NVTE_ALLOW_NONDETERMINISTIC_ALGO", "0")
+    heads, groups, mask = CASES[layout]
+    tail = 13
+    expected, _ = _te_gradients(layout, heads, groups, tail)
+    calls = []
+    backward = te_attention.backward_without_fill
+    monkeypatch.setattr(te_attention, "backward_without_fill", lambda *a, **k: calls.append(1) or backward(*a, **k))
+    leaves, make_qkv = _inputs(layout, heads, groups, torch.bfloat16, tail)
+    module = _attention(te_attention.PackedCuDNNAttention, heads, groups, mask)
+    _run(module, leaves, make_qkv, mask)  # TE's path: its choice of backend is recorded
+    _assert_same_bits(_run(module, leaves, make_qkv, mask), expected)
+    assert calls == [1]
+    for gradient in expected[1:]:
+        assert not gradient[-tail:].any()  # what TE's fill gave the padding rows
+
+    # Directly, on poisoned buffers: nothing but cuDNN's writes and the tail kernel may reach the result.
+    query, key, value = (t.detach() for t in make_qkv())
+    cu_seqlens = F.pad(torch.tensor(LENGTHS).cumsum(0), (1, 0)).to(torch.int32).cuda()
+    settings = {"training": True, "max_seqlen_q": max(LENGTHS), "max_seqlen_kv": max(LENGTHS), "scale": 0.125,
+                "layout": layout, "mask_type": mask, "window": (-1, 0) if "causal" in mask else (-1, -1),
+                "deterministic": True}  # fmt: skip
+    out, aux = te_attention.fused_attn_fwd(
+        is_training=True, max_seqlen_q=max(LENGTHS), max_seqlen_kv=max(LENGTHS), cu_seqlens_q=cu_seqlens,
+        cu_seqlens_kv=cu_seqlens, q=query, k=key, v=value, fake_dtype=query.dtype,
+        fused_attention_backend=te_attention.FusedAttnBackend["F16_arbitrary_seqlen"], cu_seqlens_q_padded=cu_seqlens,
+        cu_seqlens_kv_padded=cu_seqlens, attn_scale=0.125, qkv_layout=layout, o_format="thd", attn_mask_type=mask,
+        window_size=settings["window"],
+    )[:2]  # fmt: skip
+    grad_out = torch.randn_like(out)
+    te_grads = te_attention.fused_attn_bwd(
+        max_seqlen_q=max(LENGTHS), max_seqlen_kv=max(LENGTHS), cu_seqlens_q=cu_seqlens, cu_seqlens_kv=cu_seqlens,
+        q=query, k=key, v=value, o=out, d_o=grad_out, fake_dtype=query.dtype, aux_ctx_tensors=aux,
+        fused_attention_backend=te_attention.FusedAttnBackend["F16_arbitrary_seqlen"], cu_seqlens_q_padded=cu_seqlens,
+        cu_seqlens_kv_padded=cu_seqlens, attn_scale=0.125, qkv_layout=layout, o_format="thd", do_format="thd",
+        dqkv_layout=layout, attn_mask_type=mask, window_size=settings["window"], deterministic=True,
+    )[:3]  # fmt: skip
+    buffers, gradients = te_attention_backward.empty_gradients(query, key, value, layout)
+    for buffer in buffers:
+        buffer.fill_(float("nan"))
+    ours = te_attention_backward.backward_without_fill(
+        query, key, value, out, grad_out, aux, cu_seqlens, cu_seqlens, settings, buffers=(buffers, gradients)
+    )
+    for mine, theirs in zip(ours, te_grads):
+        assert torch.equal(mine, theirs)
+        assert not mine[-tail:].any() and mine[:-tail].abs().sum() > 0

@@ -79,6 +79,7 @@ def llama_contract(tie: bool, shape: str, rope: str) -> ModelContract:
             "fused_residual_layer.py",
             "residual_norm.py",
             "te_attention.py",
+            "te_attention_backward.py",
             "packed_rope.py",
         ),
         te_hf_model=partial(stock_model, TE_SHAPE, LLAMA3_ROPE, tie),
