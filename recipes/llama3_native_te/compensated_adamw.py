@@ -256,26 +256,14 @@ def _kernel():
     parameter would cost ~70 us of host time each in Triton's launcher, ~45 ms a step for ESM-2 650M's ~400 tensors,
     which the GPU waits for whenever the host has not run ahead (Megatron-FSDP's optimizer step waits for the
     gradients first). Each program updates one ``BLOCK`` of one tensor: ``block_tensor`` and ``block_start`` say
-    which tensor and where in it; ``offsets`` holds, per tensor, where its five arrays (param, grad, exp_avg,
-    exp_avg_sq, low halves) lie in elements from the first tensor's (the ``*_base`` pointers), and ``numels`` its
-    length.
-
-    Why offsets from base pointers rather than each tensor's own pointers: Triton vectorises a load (16 bytes per
-    thread) only where it can prove the address aligned, which it can for a pointer argument (it checks at launch)
-    and an offset marked ``tl.multiple_of``, never for a pointer read from memory. With ``ALIGNED`` (every array
-    16-byte aligned, checked on the host) the offsets are marked multiples of 16 bytes' worth of elements
-    (``*_VEC``); the kernel with pointers read from a table ran at ~1.8 TB/s on an H200 (docs/benchmarks.md).
+    which tensor and where in it; ``addresses`` holds each tensor's five data pointers (param, grad, exp_avg,
+    exp_avg_sq, low halves) and ``numels`` its length.
     """
     global _KERNEL
     if _KERNEL is None:
 
         def compensated_adamw(
-            param_base,
-            grad_base,
-            exp_avg_base,
-            exp_avg_sq_base,
-            low_base,
-            offsets_table,
+            addresses,
             numels,
             block_tensor,
             block_start,
@@ -291,35 +279,22 @@ def _kernel():
             MOMENT: tl.constexpr,
             SPLIT: tl.constexpr,
             BLOCK: tl.constexpr,
-            ALIGNED: tl.constexpr,
-            PARAM_VEC: tl.constexpr,
-            GRAD_VEC: tl.constexpr,
-            MOMENT_VEC: tl.constexpr,
         ):
             tensor = tl.load(block_tensor + tl.program_id(0)).to(tl.int64)
-            start = tl.load(block_start + tl.program_id(0))
-            row = offsets_table + tensor * 5
-            param_at, grad_at = tl.load(row), tl.load(row + 1)
-            exp_avg_at, exp_avg_sq_at, low_at = tl.load(row + 2), tl.load(row + 3), tl.load(row + 4)
-            if ALIGNED:
-                start = tl.multiple_of(start, BLOCK)
-                param_at, grad_at = tl.multiple_of(param_at, PARAM_VEC), tl.multiple_of(grad_at, GRAD_VEC)
-                exp_avg_at = tl.multiple_of(exp_avg_at, MOMENT_VEC)
-                exp_avg_sq_at = tl.multiple_of(exp_avg_sq_at, MOMENT_VEC)
-                low_at = tl.multiple_of(low_at, 8)
-            offsets = start + tl.arange(0, BLOCK)
+            offsets = tl.load(block_start + tl.program_id(0)) + tl.arange(0, BLOCK)
             mask = offsets < tl.load(numels + tensor)
-            param_ptr = param_base + param_at
-            grad_ptr = grad_base + grad_at
-            exp_avg_ptr = exp_avg_base + exp_avg_at
-            exp_avg_sq_ptr = exp_avg_sq_base + exp_avg_sq_at
+            row = addresses + tensor * 5
+            param_ptr = tl.load(row).to(tl.pointer_type(PARAM))
+            grad_ptr = tl.load(row + 1).to(tl.pointer_type(GRAD))
+            exp_avg_ptr = tl.load(row + 2).to(tl.pointer_type(MOMENT))
+            exp_avg_sq_ptr = tl.load(row + 3).to(tl.pointer_type(MOMENT))
             g = tl.load(grad_ptr + offsets, mask=mask).to(tl.float32)
             m = tl.load(exp_avg_ptr + offsets, mask=mask).to(tl.float32)
             m = m + (g - m) * one_minus_beta1
             v = tl.load(exp_avg_sq_ptr + offsets, mask=mask).to(tl.float32) * beta2 + one_minus_beta2 * g * g
             denom = tl.div_rn(tl.sqrt_rn(v), sqrt_bias_correction2) + eps
             if SPLIT:  # join: (high half << 16) + low half, the float32 bit pattern (int32 arithmetic wraps)
-                low_ptr = low_base + low_at
+                low_ptr = tl.load(row + 4).to(tl.pointer_type(tl.int16))
                 high = tl.load(param_ptr + offsets, mask=mask).to(tl.int16, bitcast=True).to(tl.int32) & 0xFFFF
                 low = tl.load(low_ptr + offsets, mask=mask).to(tl.int32)
                 master = ((high << 16) + low).to(tl.float32, bitcast=True)
@@ -371,16 +346,11 @@ def update_many_with_triton(tensors: list[tuple], scalars: AdamWScalars, tables:
     param, grad, exp_avg, _, low = tensors[0]
     numels = tuple(t[0].numel() for t in tensors)
     lengths, block_tensor, block_start = tables.get(numels, param.device)
-    # Each tensor's five arrays (a float32 parameter's unused low halves: the parameter itself), in elements from the
-    # first tensor's: one dtype per column, so every difference is a whole number of elements.
-    arrays = [(p, g, m, v, p if lo is None else lo) for p, g, m, v, lo in tensors]
-    bases = arrays[0]
-    offsets = [[(t.data_ptr() - b.data_ptr()) // t.element_size() for t, b in zip(row, bases)] for row in arrays]
-    table = torch.tensor(offsets, dtype=torch.int64).to(param.device, non_blocking=True)
-    aligned = all(t.data_ptr() % 16 == 0 for row in arrays for t in row)
+    # The five data pointers of each tensor (a float32 parameter's unused low-half pointer is its own).
+    pointers = [[t.data_ptr() for t in (p, g, m, v, p if lo is None else lo)] for p, g, m, v, lo in tensors]
+    addresses = torch.tensor(pointers, dtype=torch.int64).to(param.device, non_blocking=True)
     _kernel()[(block_tensor.numel(),)](
-        *bases,
-        table,
+        addresses,
         lengths,
         block_tensor,
         block_start,
@@ -396,10 +366,6 @@ def update_many_with_triton(tensors: list[tuple], scalars: AdamWScalars, tables:
         MOMENT=_triton_dtype(exp_avg.dtype),
         SPLIT=low is not None,
         BLOCK=_BLOCK,
-        ALIGNED=aligned,
-        PARAM_VEC=16 // param.element_size(),
-        GRAD_VEC=16 // grad.element_size(),
-        MOMENT_VEC=16 // exp_avg.element_size(),
     )
 
 
