@@ -15,7 +15,9 @@ sync). The kernels cuDNN runs are TE's; dQ, dK and dV are bit for bit what TE's 
 
 The C signature, the struct layouts and the dtype codes below are TE 2.20's (``transformer_engine.h``,
 ``fused_attn.h``); the enum values come from TE's own Python bindings. ``available()`` is True only for TE 2.20.x
-with the symbols present; every other release keeps TE's ``fused_attn_bwd`` (with its fill).
+with the symbols present; every other release keeps TE's ``fused_attn_bwd`` (with its fill). TE's extension turns an
+error raised inside its C library into a Python exception; called through ctypes such an error ends the process.
+The direct path only reaches this for a signature whose first call TE itself ran with these kernels (te_attention.py).
 """
 
 import ctypes
