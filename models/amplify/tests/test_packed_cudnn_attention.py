@@ -130,7 +130,8 @@ def test_unfilled_gradients_lie_as_the_inputs_do():
         torch.randn(TOKENS, HEADS, DIM),
     )
     buffers, gradients = te_attention_backward.empty_gradients(query, key, value, "thd_thd_thd")
-    assert [g.shape for g in gradients] == [query.shape, key.shape, value.shape] and buffers == list(gradients)
+    assert [g.shape for g in gradients] == [query.shape, key.shape, value.shape]
+    assert all(g.is_contiguous() and b is g for b, g in zip(buffers, gradients, strict=True))
     with pytest.raises(ValueError, match="t3hd"):
         te_attention_backward.empty_gradients(query, key, value, "t3hd")
 
