@@ -101,6 +101,40 @@ def use_gemm_epilogue_gelu(layers: nn.ModuleList) -> None:
         layer.layernorm_mlp.bias_gelu_nvfusion = False
 
 
+def _output_and_no_bias(module: nn.Module, args, output: torch.Tensor):
+    """Forward hook: ``(output, None)``, the pair ``te.TransformerLayer`` unpacks from a ``return_bias`` module."""
+    return output, None
+
+
+def add_output_biases_in_gemms(layers: nn.ModuleList) -> int:
+    """Have each TE layer's attention-output projection (``proj``) and ``fc2`` add their biases in the GEMM, and the
+    residual be one plain add, in place of TE's torch.compile'd bias-dropout-add. Returns how many modules changed.
+
+    ``te.TransformerLayer`` builds both with ``return_bias=True`` and adds bias, dropout and residual in a compiled
+    function. Each call enters a compiled region (host time that shows where the forward is host-bound: the ESM-2 3B
+    FP8 profile charged 5.7 ms of GPU idle per step to those entries, docs/benchmarks.md), and its backward sums the
+    bias gradient in a reduction of its own. Here TE's module adds the bias as for any biased ``te.Linear``
+    (``apply_bias``: the GEMM epilogue) and sums its gradient there too (the weight-gradient GEMM's epilogue in bf16,
+    the gradient's FP8 cast kernel in FP8); the layer, handed ``None`` for the bias (the forward hook), adds the
+    residual with a plain ``+``. Same sums; the bias is added before the GEMM's output is rounded to 16 bits rather
+    than after. Only where the layer's ``hidden_dropout`` is 0 (ESM-2's): with dropout, TE's compiled kernel does
+    dropout and add in one pass. Setting ``NVTE_BIAS_DROPOUT_FUSION`` in the environment leaves TE's own path (to
+    compare the two).
+    """
+    if "NVTE_BIAS_DROPOUT_FUSION" in os.environ:
+        return 0
+    changed = 0
+    for layer in layers:
+        if layer.hidden_dropout != 0 or getattr(layer, "drop_path", None) is not None:
+            continue
+        for module in (layer.self_attention.proj, layer.layernorm_mlp):
+            if module.use_bias and module.return_bias and not getattr(module, "return_layernorm_output", False):
+                module.return_bias, module.apply_bias = False, True
+                module.register_forward_hook(_output_and_no_bias)
+                changed += 1
+    return changed
+
+
 class NVEsmRotaryEmbedding(nn.Module):
     """Rotary frequencies as TE expects them: [seq, 1, 1, head_dim] in float32 (ESM's cat(freqs, freqs) layout)."""
 
@@ -212,6 +246,7 @@ class NVEsmEncoder(nn.Module):
             )
             if not config.fused_residual_norm:  # (the fused layers run GELU in the GEMMs and split q/k/v themselves)
                 use_gemm_epilogue_gelu(self.layers)
+                add_output_biases_in_gemms(self.layers)
                 if self.qkv_rotary is not None:  # attention reads q/k/v as views of the rotated buffer
                     split_packed_qkv(self.layers)
                     # cuDNN's attention without DotProductAttention's Python per call (FP8 runs are host-bound)
