@@ -122,17 +122,22 @@ def available() -> bool:
     return triton is not None and _library() is not None
 
 
-def _basic(tensor: torch.Tensor | None, shape=None) -> _BasicTensor:
+def _basic(tensor: torch.Tensor | None) -> _BasicTensor:
     """The description of ``tensor`` (data pointer, dtype, shape) that TE's tensors hold; an empty one for None."""
     basic = _BasicTensor()
     if tensor is None:
         basic.dtype, basic.shape.ndim = _DTYPE_CODES[torch.float32], 1  # TE's empty tensor: shape [0], no data
         return basic
-    shape = tensor.shape if shape is None else shape
-    basic.data_ptr, basic.dtype, basic.shape.ndim = tensor.data_ptr(), _DTYPE_CODES[tensor.dtype], len(shape)
-    for index, size in enumerate(shape):
+    basic.data_ptr, basic.dtype, basic.shape.ndim = tensor.data_ptr(), _DTYPE_CODES[tensor.dtype], tensor.dim()
+    for index, size in enumerate(tensor.shape):
         basic.shape.data[index] = size
     return basic
+
+
+def _set_data(library, handle: int, tensor: torch.Tensor | None) -> None:
+    """Point TE tensor ``handle`` at ``tensor``'s memory (TE's row-wise data; nothing is copied)."""
+    basic = _basic(tensor)
+    library.nvte_set_tensor_param_v2(handle, _ROWWISE_DATA, ctypes.byref(basic), ctypes.sizeof(basic))
 
 
 class _Tensors:
@@ -144,8 +149,7 @@ class _Tensors:
     def __call__(self, tensor: torch.Tensor | None) -> int:
         handle = self.library.nvte_create_tensor(_PLAIN_TENSOR)
         self.handles.append(handle)
-        basic = _basic(tensor)
-        self.library.nvte_set_tensor_param_v2(handle, _ROWWISE_DATA, ctypes.byref(basic), ctypes.sizeof(basic))
+        _set_data(self.library, handle, tensor)
         return handle
 
     def __enter__(self):
@@ -184,11 +188,8 @@ def backward_without_fill(
     library.nvte_tensor_pack_create(ctypes.byref(pack))
     try:
         with _Tensors(library) as wrap:
-            for index, tensor in enumerate(aux):
-                basic = _basic(tensor)
-                library.nvte_set_tensor_param_v2(
-                    pack.tensors[index], _ROWWISE_DATA, ctypes.byref(basic), ctypes.sizeof(basic)
-                )
+            for index, tensor in enumerate(aux):  # the pack's tensors are TE's own handles, created with it
+                _set_data(library, pack.tensors[index], tensor)
             pack.size = len(aux)
             arguments = [
                 *(wrap(t) for t in (query, key, value, out, grad_out, None, None)),  # ..., S, dP (unused in 16 bits)
