@@ -110,15 +110,16 @@ def add_output_biases_in_gemms(layers: nn.ModuleList) -> int:
     residual be one plain add, in place of TE's torch.compile'd bias-dropout-add. Returns how many modules changed.
 
     ``te.TransformerLayer`` builds both with ``return_bias=True`` and adds bias, dropout and residual in a compiled
-    function. Each call enters a compiled region (host time that shows where the forward is host-bound: the ESM-2 3B
-    FP8 profile charged 5.7 ms of GPU idle per step to those entries, docs/benchmarks.md), and its backward sums the
-    bias gradient in a reduction of its own. Here TE's module adds the bias as for any biased ``te.Linear``
-    (``apply_bias``: the GEMM epilogue) and sums its gradient there too (the weight-gradient GEMM's epilogue in bf16,
-    the gradient's FP8 cast kernel in FP8); the layer, handed ``None`` for the bias (the forward hook), adds the
-    residual with a plain ``+``. Same sums; the bias is added before the GEMM's output is rounded to 16 bits rather
-    than after. Only where the layer's ``hidden_dropout`` is 0 (ESM-2's): with dropout, TE's compiled kernel does
-    dropout and add in one pass. Setting ``NVTE_BIAS_DROPOUT_FUSION`` in the environment leaves TE's own path (to
-    compare the two).
+    function that sums the three in fp32 and rounds once. While the biases are far below bf16 resolution (early in
+    training) they then decide the ties of that sum: TE's layer output moves hundreds of times further along a tiny
+    bias than the bias itself, and the early losses fall faster than the gradient predicts (docs/benchmarks.md, the
+    fused layer for ESM-2). Here TE's module adds the bias as for any biased ``te.Linear`` (``apply_bias``: to the
+    GEMM's fp32 accumulator) and sums its gradient there too (the weight-gradient GEMM's epilogue in bf16, the
+    gradient's FP8 cast kernel in FP8); the layer, handed ``None`` for the bias (the forward hook), adds the residual
+    with a plain ``+``. A tiny bias then moves the output by its own size, as in the fused layers. Same speed (ESM-2
+    3B and 650M in FP8 on one H200, within 0.1%). Only where the layer's ``hidden_dropout`` is 0 (ESM-2's): with
+    dropout, TE's compiled kernel does dropout and add in one pass. Setting ``NVTE_BIAS_DROPOUT_FUSION`` in the
+    environment leaves TE's own path (to compare the two).
     """
     if "NVTE_BIAS_DROPOUT_FUSION" in os.environ:
         return 0
