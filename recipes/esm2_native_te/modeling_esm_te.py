@@ -106,9 +106,9 @@ def _output_and_no_bias(module: nn.Module, args, output: torch.Tensor):
     return output, None
 
 
-def add_output_biases_in_gemms(layers: nn.ModuleList) -> int:
+def add_output_biases_in_gemms(layers: nn.ModuleList) -> None:
     """Have each TE layer's attention-output projection (``proj``) and ``fc2`` add their biases in the GEMM, and the
-    residual be one plain add, in place of TE's torch.compile'd bias-dropout-add. Returns how many modules changed.
+    residual be one plain add, in place of TE's torch.compile'd bias-dropout-add.
 
     ``te.TransformerLayer`` builds both with ``return_bias=True`` and adds bias, dropout and residual in a compiled
     function that sums the three in fp32 and rounds once. While the biases are far below bf16 resolution (early in
@@ -123,8 +123,7 @@ def add_output_biases_in_gemms(layers: nn.ModuleList) -> int:
     environment leaves TE's own path (to compare the two).
     """
     if "NVTE_BIAS_DROPOUT_FUSION" in os.environ:
-        return 0
-    changed = 0
+        return
     for layer in layers:
         if layer.hidden_dropout != 0 or getattr(layer, "drop_path", None) is not None:
             continue
@@ -132,8 +131,6 @@ def add_output_biases_in_gemms(layers: nn.ModuleList) -> int:
             if module.use_bias and module.return_bias and not getattr(module, "return_layernorm_output", False):
                 module.return_bias, module.apply_bias = False, True
                 module.register_forward_hook(_output_and_no_bias)
-                changed += 1
-    return changed
 
 
 class NVEsmRotaryEmbedding(nn.Module):
