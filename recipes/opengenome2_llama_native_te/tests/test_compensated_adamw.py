@@ -243,8 +243,10 @@ def kernel_equals_torch_path(module, device: str, aligned: bool = True) -> None:
         eps=1e-8,
     )
     for dtype in (torch.float32, torch.bfloat16):
-        # less than, exactly and more than one block of the kernel, all in one launch (a multi-tensor kernel)
-        numels = (1, 2047, 2048, 5000)
+        # less than, exactly and more than one block of the kernel, all in one launch (a multi-tensor kernel): the
+        # whole blocks run unmasked where the arrays are aligned, the partial ones masked
+        block = module._BLOCK
+        numels = (1, block - 1, block, 4 * block + 904)
         inputs = [kernel_inputs(numel, dtype) for numel in numels]
         # copies: on the CPU ``.to("cpu")`` returns the tensor itself, and the torch path then updated the kernel's
         # output in place and compared it with itself (how this test read the interpreter as exact until 2026-12-01)
@@ -285,6 +287,46 @@ def test_triton_kernel_equals_the_torch_path_on_the_gpu():
     assert os.environ.get("TRITON_INTERPRET") != "1"
     kernel_equals_torch_path(module, "cuda")
     kernel_equals_torch_path(module, "cuda", aligned=False)  # the kernel without alignment hints
+
+
+def aligned_and_unaligned_launches_agree(module, device: str) -> None:
+    """The vectorised launch (aligned arrays: whole blocks unmasked) and the element-wise one (every array one element
+    into its buffer: all blocks masked) write the same bits: the arithmetic is the same, only the loads differ."""
+    scalars = module.AdamWScalars(
+        decay=1 - 1e-5,
+        one_minus_beta1=0.1,
+        beta2=0.98,
+        one_minus_beta2=0.02,
+        step_size=3e-4,
+        sqrt_bias_correction2=0.3,
+        eps=1e-8,
+    )
+    numels = (module._BLOCK - 3, 3 * module._BLOCK + 17)
+    results = []
+    for shift in (False, True):
+        tensors = [
+            [None if t is None else t.to(device) for t in kernel_inputs(numel, torch.bfloat16)] for numel in numels
+        ]
+        if shift:
+            tensors = [[None if t is None else _off_by_one_element(t) for t in row] for row in tensors]
+        assert all((t.data_ptr() % 16 != 0) is shift for row in tensors for t in row)
+        module.update_many_with_triton([tuple(row) for row in tensors], scalars, module._BlockTables())
+        results.append([t.cpu() for row in tensors for t in row])
+    for aligned, unaligned in zip(*results):
+        torch.testing.assert_close(unaligned, aligned, rtol=0, atol=0)
+
+
+def test_aligned_and_unaligned_launches_agree_in_the_interpreter(monkeypatch):
+    pytest.importorskip("triton")
+    monkeypatch.setenv("TRITON_INTERPRET", "1")
+    aligned_and_unaligned_launches_agree(fresh_module(), "cpu")
+
+
+@pytest.mark.requires_gpu
+def test_aligned_and_unaligned_launches_agree_on_the_gpu():
+    module = fresh_module()
+    assert os.environ.get("TRITON_INTERPRET") != "1"
+    aligned_and_unaligned_launches_agree(module, "cuda")
 
 
 @pytest.mark.requires_gpu
