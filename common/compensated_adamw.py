@@ -342,9 +342,8 @@ def _kernel():
             exp_avg_ptr = tl.load(row + 2).to(tl.pointer_type(MOMENT))
             exp_avg_sq_ptr = tl.load(row + 3).to(tl.pointer_type(MOMENT))
             low_ptr = tl.load(row + 4).to(tl.pointer_type(tl.int16))
-            if (
-                ALIGNED
-            ):  # every array 16-byte aligned (checked on the host) and every block starts a multiple of BLOCK in
+            # ALIGNED: every array is 16-byte aligned (checked on the host); every block starts a multiple of BLOCK in
+            if ALIGNED:
                 param_ptr = tl.multiple_of(param_ptr, 16)
                 grad_ptr = tl.multiple_of(grad_ptr, 16)
                 exp_avg_ptr = tl.multiple_of(exp_avg_ptr, 16)
