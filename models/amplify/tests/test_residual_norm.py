@@ -166,6 +166,42 @@ def test_tiles_of_fewer_rows_give_the_same_numbers(monkeypatch, norm, tile_rows)
 
 
 @pytest.mark.parametrize("norm", NORMS)
+def test_partial_sums_over_several_blocks_give_the_same_numbers(monkeypatch, norm):
+    """The weight (and bias) gradient's last kernel sums the backward programs' partial sums in blocks of
+    _FINALIZE_PARTIALS partials by _FINALIZE_COLS features. With 4 rows per program (38 partials for 150 rows) and
+    blocks of 8 partials by 64 features, it loops over 5 blocks, the last one partial, in two column blocks, the last
+    one partial (96 features)."""
+    monkeypatch.setattr(residual_norm, "_BACKWARD_ROWS", 4)
+    monkeypatch.setattr(residual_norm, "_FINALIZE_PARTIALS", 8)
+    monkeypatch.setattr(residual_norm, "_FINALIZE_COLS", 64)
+    grads = []
+    for block in (reference_block, kernel_block):
+        x, a, weight, bias = (t.clone().requires_grad_() if t is not None else None for t in inputs(norm))
+        out = block(x, a, weight, bias)
+        out.backward(torch.linspace(-1, 1, out.numel()).view_as(out))
+        grads.append((weight.grad, bias.grad if bias is not None else None))
+    for expected, actual, name in zip(grads[0], grads[1], ("weight", "bias")):
+        if expected is not None:
+            torch.testing.assert_close(actual, expected, rtol=1e-5, atol=1e-5, msg=name)
+
+
+@pytest.mark.parametrize("norm", NORMS)
+def test_a_bfloat16_weight_gets_its_gradient_in_bfloat16(norm):
+    """The last kernel rounds the float32 sums to the weight's dtype, as ``.to(weight.dtype)`` did."""
+    x, a, weight, bias = inputs(norm)
+    expected = None
+    for dtype in (torch.float32, torch.bfloat16):
+        w = weight.to(dtype, copy=True).requires_grad_()
+        b = bias.to(dtype, copy=True).requires_grad_() if bias is not None else None
+        out = kernel_block(x, a, w, b)
+        out.backward(torch.linspace(-1, 1, out.numel()).view_as(out))
+        assert w.grad.dtype == dtype and (b is None or b.grad.dtype == dtype)
+        if expected is None:
+            expected = w.grad
+    torch.testing.assert_close(w.grad.float(), expected, rtol=1e-2, atol=1e-2)
+
+
+@pytest.mark.parametrize("norm", NORMS)
 def test_strided_input_gives_the_same_numbers(norm):
     """A transposed (non-contiguous) input: outputs and gradients equal those of its contiguous copy."""
     results = []

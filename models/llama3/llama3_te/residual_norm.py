@@ -39,13 +39,18 @@ def available() -> bool:
 # two); each backward program loops over tiles until it has covered _BACKWARD_ROWS rows, so that its weight-gradient
 # partial sum covers that many rows (fewer partials to sum). ``_tile`` picks the tile's rows and the warps that run it.
 _BACKWARD_ROWS = 64
+# The partial sums ([programs, features] float32) are added up by one more kernel, each of its programs summing
+# _FINALIZE_COLS features over all partials, _FINALIZE_PARTIALS at a time, and writing the weight's (and bias's)
+# gradient in the weight's dtype: one launch where torch's sum over dim 0 and cast took two per gradient.
+_FINALIZE_PARTIALS = 64
+_FINALIZE_COLS = 32
 
 _KERNELS = None
 _add = None  # the reductions' combine function, JIT-decorated with the kernels
 
 
 def _kernels():
-    """The two Triton kernels, JIT-decorated on first use (so that ``TRITON_INTERPRET`` set by a test is honoured).
+    """The three Triton kernels, JIT-decorated on first use (so that ``TRITON_INTERPRET`` set by a test is honoured).
 
     Sums go through ``tl.reduce`` with a combine function decorated here, and zeros through ``tl.full``, rather than
     ``tl.sum`` and ``tl.zeros``: those were decorated when Triton was imported, and Triton's interpreter cannot call
@@ -153,7 +158,33 @@ def _kernels():
             if CENTERED:
                 tl.store(bias_grad_ptr + program * num_cols + cols, bias_grad, mask=col_mask)
 
-        _KERNELS = (triton.jit(norm_forward), triton.jit(norm_backward))
+        def sum_partials(
+            weight_partials_ptr,
+            bias_partials_ptr,
+            weight_grad_ptr,
+            bias_grad_ptr,
+            num_partials,
+            num_cols,
+            CENTERED: tl.constexpr,
+            PARTIALS: tl.constexpr,
+            COLS: tl.constexpr,
+        ):
+            cols = tl.program_id(0) * COLS + tl.arange(0, COLS)
+            col_mask = cols < num_cols
+            weight_grad = tl.full([COLS], 0.0, dtype=tl.float32)
+            bias_grad = tl.full([COLS], 0.0, dtype=tl.float32)
+            for start in range(0, num_partials, PARTIALS):
+                partials = start + tl.arange(0, PARTIALS)
+                mask = (partials < num_partials)[:, None] & col_mask[None, :]
+                offsets = partials[:, None] * num_cols + cols[None, :]
+                weight_grad += tl.reduce(tl.load(weight_partials_ptr + offsets, mask=mask, other=0.0), 0, _add)
+                if CENTERED:
+                    bias_grad += tl.reduce(tl.load(bias_partials_ptr + offsets, mask=mask, other=0.0), 0, _add)
+            tl.store(weight_grad_ptr + cols, weight_grad.to(weight_grad_ptr.dtype.element_ty), mask=col_mask)
+            if CENTERED:
+                tl.store(bias_grad_ptr + cols, bias_grad.to(bias_grad_ptr.dtype.element_ty), mask=col_mask)
+
+        _KERNELS = (triton.jit(norm_forward), triton.jit(norm_backward), triton.jit(sum_partials))
     return _KERNELS
 
 
@@ -208,7 +239,7 @@ def norm_forward(x, weight, bias, eps: float, add=None):
     rstd = torch.empty(num_rows, dtype=torch.float32, device=x.device)
     mean = torch.empty(num_rows, dtype=torch.float32, device=x.device) if bias is not None else None
     if num_rows:
-        forward, _ = _kernels()
+        forward, _, _ = _kernels()
         block, tile_rows, warps = _tile(num_cols)
         forward[(triton.cdiv(num_rows, tile_rows),)](
             rows,
@@ -242,37 +273,49 @@ def norm_backward(dy, x, weight, mean, rstd, residual_grad=None):
     num_rows, num_cols = _rows(x).shape
     centered = mean is not None
     dx = torch.empty_like(x)
-    block, tile_rows, warps = _tile(num_cols)
-    programs = max(1, triton.cdiv(num_rows, _BACKWARD_ROWS))
-    partial_weight_grads = torch.empty(programs, num_cols, dtype=torch.float32, device=x.device)
-    partial_bias_grads = torch.empty_like(partial_weight_grads) if centered else None
-    if num_rows:
-        _, backward = _kernels()
-        backward[(programs,)](
-            _rows(dy),
-            _rows(x),
-            weight,
-            mean if centered else rstd,
-            rstd,
-            _rows(residual_grad) if residual_grad is not None else _rows(dy),
-            dx,
-            partial_weight_grads,
-            partial_bias_grads if centered else partial_weight_grads,
-            num_rows,
-            num_cols,
-            HAS_RESIDUAL_GRAD=residual_grad is not None,
-            CENTERED=centered,
-            ROWS=tile_rows,
-            CHUNKS=_BACKWARD_ROWS // tile_rows,
-            BLOCK=block,
-            num_warps=warps,
-        )
-    else:
-        partial_weight_grads.zero_()
+    weight_grad = torch.empty(num_cols, dtype=weight.dtype, device=x.device)
+    bias_grad = torch.empty_like(weight_grad) if centered else None
+    if not num_rows:
+        weight_grad.zero_()
         if centered:
-            partial_bias_grads.zero_()
-    weight_grad = partial_weight_grads.sum(0).to(weight.dtype)
-    bias_grad = partial_bias_grads.sum(0).to(weight.dtype) if centered else None
+            bias_grad.zero_()
+        return dx, weight_grad, bias_grad
+    block, tile_rows, warps = _tile(num_cols)
+    programs = triton.cdiv(num_rows, _BACKWARD_ROWS)
+    partial_weight_grads = torch.empty(programs, num_cols, dtype=torch.float32, device=x.device)
+    partial_bias_grads = torch.empty_like(partial_weight_grads) if centered else partial_weight_grads
+    _, backward, sum_partials = _kernels()
+    backward[(programs,)](
+        _rows(dy),
+        _rows(x),
+        weight,
+        mean if centered else rstd,
+        rstd,
+        _rows(residual_grad) if residual_grad is not None else _rows(dy),
+        dx,
+        partial_weight_grads,
+        partial_bias_grads,
+        num_rows,
+        num_cols,
+        HAS_RESIDUAL_GRAD=residual_grad is not None,
+        CENTERED=centered,
+        ROWS=tile_rows,
+        CHUNKS=_BACKWARD_ROWS // tile_rows,
+        BLOCK=block,
+        num_warps=warps,
+    )
+    sum_partials[(triton.cdiv(num_cols, _FINALIZE_COLS),)](
+        partial_weight_grads,
+        partial_bias_grads,
+        weight_grad,
+        bias_grad if centered else weight_grad,
+        programs,
+        num_cols,
+        CENTERED=centered,
+        PARTIALS=_FINALIZE_PARTIALS,
+        COLS=_FINALIZE_COLS,
+        num_warps=4,
+    )
     return dx, weight_grad, bias_grad
 
 
