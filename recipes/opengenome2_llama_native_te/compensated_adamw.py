@@ -343,7 +343,8 @@ def _kernel():
             exp_avg_ptr = tl.load(row + 2).to(tl.pointer_type(MOMENT))
             exp_avg_sq_ptr = tl.load(row + 3).to(tl.pointer_type(MOMENT))
             low_ptr = tl.load(row + 4).to(tl.pointer_type(tl.int16))
-            # ALIGNED: every array is 16-byte aligned (checked on the host); every block starts a multiple of BLOCK in
+            # ALIGNED: every array is 16-byte aligned (checked on the host); every block starts at a multiple of
+            # BLOCK elements into its tensor
             if ALIGNED:
                 param_ptr = tl.multiple_of(param_ptr, 16)
                 grad_ptr = tl.multiple_of(grad_ptr, 16)
