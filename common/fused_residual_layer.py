@@ -32,9 +32,16 @@ dense [sequences, max_seqlen_q] (BSHD) batch and the rest packed, see ``_SelfAtt
 must be applied inside the QKV projection (packed_rope.py's forward hook on ``self_attention.layernorm_qkv``, which
 this layer's projection returns as ``(qkv, residual)``).
 
-Only bf16/fp32 compute: no FP8 or FP4 (those need TE's modules), no dropout, no context parallelism. The models that
-offer this layer (``fused_residual_norm`` in AMPLIFY's, ESM-2's and Llama's configs) refuse those combinations before
-building it.
+The projections are TE's own modules (``NormQKV`` a ``te.Linear``, ``EpilogueLinear`` a ``te.Linear``, ``AddNormMLP``
+a ``te.LayerNormMLP``) with forwards of their own, so that they hold TE's parameters, ``_extra_state`` and FP8
+scaling state. Under TE's FP8 autocast (``DelayedScaling``, ``Float8CurrentScaling`` or ``Float8BlockScaling``) the
+norms are still this file's kernels, writing bf16, and the GEMMs are TE's FP8 ones: ``te.Linear``'s forward for QKV
+and proj, and for the MLP ``_QuantizedMLP`` (TE's FP8 MLP without its norm: the activation writes fc2's FP8 input).
+TE's layer spends its general LayerNorm kernels there (hidden 1,280 has no tuned one) and the four residual passes;
+ESM-2 650M in FP8 saves ~0.6 ms per layer (docs/benchmarks.md). No FP4/MXFP8 (Blackwell; not tested here), no
+dropout, no context parallelism: the models that offer this layer (``fused_residual_norm`` in AMPLIFY's, ESM-2's and
+Llama's configs) refuse those combinations before building it, and an FP8 recipe other than the three at the first
+forward.
 """
 
 from collections.abc import Callable
@@ -47,18 +54,30 @@ from torch import nn
 try:  # package import (models/*, exported checkpoints)
     from .residual_norm import add_layer_norm, add_rms_norm, layer_norm_keep_input, rms_norm_keep_input
     from .te_attention import PackedCuDNNAttention, SplitPackedQKV
-    from .torch_layers import LayerNormLinear, LayerNormMLP, Linear
 except ImportError:  # flat copy inside a recipe folder
     from residual_norm import add_layer_norm, add_rms_norm, layer_norm_keep_input, rms_norm_keep_input
     from te_attention import PackedCuDNNAttention, SplitPackedQKV
-    from torch_layers import LayerNormLinear, LayerNormMLP, Linear
 
 try:
     import transformer_engine.pytorch as te
     import transformer_engine_torch as tex
     from transformer_engine.pytorch.cpp_extensions import general_gemm
+    from transformer_engine.pytorch.module.base import _2X_ACC_DGRAD, _2X_ACC_FPROP, _2X_ACC_WGRAD, quantize_weight
+    from transformer_engine.pytorch.module.linear import _check_fp8_reduce_and_update
+    from transformer_engine.pytorch.quantization import FP8GlobalStateManager
+    from transformer_engine.pytorch.quantized_tensor import prepare_for_saving, restore_from_saved
+    from transformer_engine.pytorch.tensor.float8_blockwise_tensor import Float8BlockQuantizer
+    from transformer_engine.pytorch.utils import init_method_constant
 except Exception:  # ImportError, or a broken CUDA install raising at import; the layer refuses to build then
     te = tex = general_gemm = None
+
+# The projections are TE's modules (their parameters, ``_extra_state`` and FP8 scaling state), with forwards of
+# their own. Without TE the classes below still import (on nn.Module), but the layer refuses to build.
+_TELinear = te.Linear if te is not None else nn.Module
+_TELayerNormMLP = te.LayerNormMLP if te is not None else nn.Module
+
+# The FP8 recipes these layers run (all three need Hopper or newer). MXFP8 and NVFP4 (Blackwell) are not tested here.
+FP8_RECIPES = ("DelayedScaling", "Float8CurrentScaling", "Float8BlockScaling")
 
 NORMALIZATIONS = ("RMSNorm", "LayerNorm")
 ACTIVATIONS = ("swiglu", "gelu")
@@ -158,6 +177,153 @@ def _linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) ->
     return _LinearWithBias.apply(x, _cast(weight, x.dtype), _cast(bias, x.dtype))
 
 
+def _fp8_enabled() -> bool:
+    return te is not None and FP8GlobalStateManager.is_fp8_enabled()
+
+
+def _fp8_recipe_name() -> str:
+    recipe = FP8GlobalStateManager.get_fp8_recipe()
+    name = type(recipe).__name__
+    if name not in FP8_RECIPES:
+        raise ValueError(
+            f"fused_residual_norm layers run FP8 with {', '.join(FP8_RECIPES)}, not {name}: "
+            "set fused_residual_norm=False to use TE's layers"
+        )
+    return name
+
+
+def _split_accumulator(recipe, gemm: str, default: bool) -> bool:
+    settings = getattr(recipe, f"fp8_gemm_{gemm}", None)
+    return settings.use_split_accumulator if settings is not None else default
+
+
+def _quantized_grad_and_bias_grad(grad: torch.Tensor, quantizer, with_bias: bool):
+    """``(quantizer(grad), grad.sum(0) or None)``: one fused kernel (``tex.bgrad_quantize``) for per-tensor scaling;
+    block scaling has no fused bias gradient in TE, so the sum is apart (as ``te.LayerNormMLP`` does)."""
+    quantizer.set_usage(rowwise=True, columnwise=True)
+    if not with_bias:
+        return quantizer(grad), None
+    if isinstance(quantizer, Float8BlockQuantizer):
+        return quantizer(grad), grad.sum(0)
+    bias_grad, quantized = tex.bgrad_quantize(grad, quantizer)
+    return quantized, bias_grad
+
+
+class _QuantizedMLP(torch.autograd.Function):
+    """``fc2(act(fc1(x)))`` with FP8 GEMMs, for an input that arrives normalised (from ``add_layer_norm``).
+
+    The FP8 branch of TE 2.20's ``_LayerNormMLP`` without its norm, and without what these layers never use (tensor or
+    sequence parallelism, userbuffers, delayed weight gradients, CPU offload, debug quantizers, FP8 weights cached
+    across micro-batches): fc1's bias in its GEMM; the activation writes fc2's FP8 input in the same kernel (block
+    scaling: a separate cast, as TE); in backward the output gradient's cast also sums fc2's bias gradient
+    (``tex.bgrad_quantize``), and dGELU, fc1's bias gradient and the cast are one kernel under delayed scaling
+    (``tex.dbias_dgelu``; other recipes: dGELU, then the fused cast and sum). The quantizers are the module's
+    (``te.LayerNormMLP._get_quantizers``), so its FP8 scaling state and ``_extra_state`` are TE's."""
+
+    @staticmethod
+    def forward(ctx, x, fc1_weight, fc1_bias, fc2_weight, fc2_bias, quantizers, activation, dtype, needs_grad):
+        (fc1_input_q, fc1_weight_q, _, _, _, fc1_grad_q, fc2_input_q, fc2_weight_q, _, _, _, fc2_grad_q) = quantizers
+        recipe = FP8GlobalStateManager.get_fp8_recipe()
+        rows = _rows(x)
+        fc1_input_q.set_usage(rowwise=True, columnwise=needs_grad)
+        rows_fp8 = fc1_input_q(rows)
+        weights_fp8 = []
+        for weight, quantizer in ((fc1_weight, fc1_weight_q), (fc2_weight, fc2_weight_q)):
+            quantizer.set_usage(rowwise=True, columnwise=needs_grad)
+            weight_fp8, _ = quantize_weight(tensor=weight, quantizer=quantizer, workspace_dtype=dtype)
+            weight_fp8.update_usage(rowwise_usage=True)
+            weights_fp8.append(weight_fp8)
+        fc1_weight_fp8, fc2_weight_fp8 = weights_fp8
+        split = _split_accumulator(recipe, "fprop", _2X_ACC_FPROP)
+        fc1_out, *_ = general_gemm(
+            fc1_weight_fp8, rows_fp8, out_dtype=dtype, bias=fc1_bias, use_split_accumulator=split
+        )
+        act = tex.gelu if activation == "gelu" else tex.swiglu
+        if isinstance(fc2_input_q, Float8BlockQuantizer):  # TE's activation kernels cannot write block-scaled FP8
+            hidden_fp8 = tex.quantize(act(fc1_out, None), fc2_input_q)
+        else:
+            hidden_fp8 = act(fc1_out, fc2_input_q)
+        out, *_ = general_gemm(fc2_weight_fp8, hidden_fp8, out_dtype=dtype, bias=fc2_bias, use_split_accumulator=split)
+        if needs_grad:
+            tensors, ctx.tensor_objects = prepare_for_saving(
+                rows_fp8, fc1_weight_fp8, fc1_out, hidden_fp8, fc2_weight_fp8
+            )
+            ctx.save_for_backward(*tensors)
+            ctx.quantizers = (fc1_grad_q, fc2_grad_q)
+            ctx.recipe, ctx.activation, ctx.dtype, ctx.input_shape = recipe, activation, dtype, x.shape
+            ctx.with_bias = fc1_bias is not None, fc2_bias is not None
+            ctx.weight_dtypes = fc1_weight.dtype, fc2_weight.dtype
+            # The first FP8 module of the forward runs last in backward and then updates every backward scale.
+            ctx.reduce_and_update_backward_scales = _check_fp8_reduce_and_update()
+        return out.view(*x.shape[:-1], out.shape[-1])
+
+    @staticmethod
+    def backward(ctx, grad):
+        rows_fp8, fc1_weight_fp8, fc1_out, hidden_fp8, fc2_weight_fp8 = restore_from_saved(
+            ctx.tensor_objects, ctx.saved_tensors
+        )
+        ctx.tensor_objects = None
+        fc1_grad_q, fc2_grad_q = ctx.quantizers
+        recipe, dtype = ctx.recipe, ctx.dtype
+        dgrad_split = _split_accumulator(recipe, "dgrad", _2X_ACC_DGRAD)
+        wgrad_split = _split_accumulator(recipe, "wgrad", _2X_ACC_WGRAD)
+        # The weight-gradient GEMMs' ``grad`` flag (TE sets it off for block scaling, whose GEMMs take no epilogue).
+        wgrad_flag = not recipe.float8_block_scaling()
+        fc1_with_bias, fc2_with_bias = ctx.with_bias
+
+        grad_fp8, fc2_bias_grad = _quantized_grad_and_bias_grad(_rows(grad).contiguous(), fc2_grad_q, fc2_with_bias)
+        fc2_weight_fp8.update_usage(columnwise_usage=True)
+        hidden_grad, *_ = general_gemm(
+            fc2_weight_fp8, grad_fp8, out_dtype=dtype, layout="NN", grad=True, use_split_accumulator=dgrad_split
+        )
+        hidden_fp8.update_usage(columnwise_usage=True)
+        grad_fp8.update_usage(columnwise_usage=True)
+        fc2_weight_grad, *_ = general_gemm(
+            hidden_fp8, grad_fp8, out_dtype=dtype, layout="NT", grad=wgrad_flag, use_split_accumulator=wgrad_split
+        )
+
+        if ctx.activation == "gelu" and (recipe.delayed() or recipe.mxfp8()):
+            fc1_grad_q.set_usage(rowwise=True, columnwise=True)
+            fc1_bias_grad, fc1_out_grad_fp8 = tex.dbias_dgelu(hidden_grad, fc1_out, fc1_grad_q)
+        else:
+            dact = tex.dgelu if ctx.activation == "gelu" else tex.dswiglu
+            fc1_out_grad_fp8, fc1_bias_grad = _quantized_grad_and_bias_grad(
+                dact(hidden_grad, fc1_out, None), fc1_grad_q, fc1_with_bias
+            )
+        fc1_weight_fp8.update_usage(columnwise_usage=True)
+        input_grad, *_ = general_gemm(
+            fc1_weight_fp8,
+            fc1_out_grad_fp8,
+            out_dtype=dtype,
+            layout="NN",
+            grad=True,
+            use_split_accumulator=dgrad_split,
+        )
+        rows_fp8.update_usage(columnwise_usage=True)
+        fc1_out_grad_fp8.update_usage(columnwise_usage=True)
+        fc1_weight_grad, *_ = general_gemm(
+            rows_fp8,
+            fc1_out_grad_fp8,
+            out_dtype=dtype,
+            layout="NT",
+            grad=wgrad_flag,
+            use_split_accumulator=wgrad_split,
+        )
+        if ctx.reduce_and_update_backward_scales:
+            FP8GlobalStateManager.reduce_and_update_fp8_tensors(forward=False)
+        return (
+            input_grad.view(ctx.input_shape),
+            fc1_weight_grad,
+            fc1_bias_grad if fc1_with_bias else None,
+            fc2_weight_grad,
+            fc2_bias_grad if fc2_with_bias else None,
+            None,
+            None,
+            None,
+            None,
+        )
+
+
 def _norm_keep_input(norm, x: torch.Tensor):
     """``(norm(x), x)`` for a module with TE's norm parameters (``layer_norm_bias`` is None for RMSNorm)."""
     if norm.layer_norm_bias is None:
@@ -172,38 +338,88 @@ def _add_norm(norm, a: torch.Tensor, residual: torch.Tensor):
     return add_layer_norm(a, residual, norm.layer_norm_weight, norm.layer_norm_bias, norm.eps)
 
 
-class NormQKV(LayerNormLinear):
+def _bias(module, name: str = "bias") -> torch.Tensor | None:
+    """A TE module's bias parameter, or None (TE keeps an empty tensor under the name when ``bias=False``)."""
+    return getattr(module, name) if module.use_bias else None
+
+
+class NormQKV(_TELinear):
     """``layernorm_qkv``: the norm, then the fused QKV projection. Returns ``(qkv, residual)``.
 
     ``residual`` is what the layer's residual path adds to attention's output: the input itself, handed back through
     the norm so that its gradient joins the norm's in one backward kernel, or, given ``pending`` (the previous layer's
     last residual, not yet added), the sum ``x + pending``, formed by the norm's kernel.
+
+    A ``te.Linear`` with ``te.LayerNormLinear``'s norm parameters added (the same state-dict keys, and the same FP8
+    state for one GEMM): under FP8 autocast the projection is ``te.Linear``'s, on this kernel's normalised output.
     """
+
+    def __init__(self, in_features, out_features, eps, normalization, bias, init_method, params_dtype, device):
+        super().__init__(
+            in_features, out_features, bias=bias, init_method=init_method, params_dtype=params_dtype, device=device
+        )
+        self.eps, self.normalization = eps, normalization
+        kwargs = {"device": device, "dtype": params_dtype}
+        self.register_parameter(
+            "layer_norm_weight", nn.Parameter(torch.ones(in_features, **kwargs)), init_fn=init_method_constant(1.0)
+        )
+        if normalization == "LayerNorm":
+            self.register_parameter(
+                "layer_norm_bias", nn.Parameter(torch.zeros(in_features, **kwargs)), init_fn=init_method_constant(0.0)
+            )
+        else:
+            self.layer_norm_bias = None
 
     def forward(self, x: torch.Tensor, pending: torch.Tensor | None = None):
         normed, residual = _norm_keep_input(self, x) if pending is None else _add_norm(self, x, pending)
-        return _linear(normed, self.weight, self.bias), residual
+        if _fp8_enabled():
+            _fp8_recipe_name()
+            return super().forward(normed), residual
+        return _linear(normed, self.weight, _bias(self)), residual
 
 
-class EpilogueLinear(Linear):
-    """``proj``: ``te.Linear``'s parameters; a bias is added (and its gradient summed) by the GEMM epilogues."""
+class EpilogueLinear(_TELinear):
+    """``proj``: ``te.Linear``; in bf16/fp32 a bias is added (and its gradient summed) by the GEMM epilogues."""
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return _linear(x, self.weight, self.bias)
+        if _fp8_enabled():
+            _fp8_recipe_name()
+            return super().forward(x)
+        return _linear(x, self.weight, _bias(self))
 
 
-class AddNormMLP(LayerNormMLP):
+class AddNormMLP(_TELayerNormMLP):
     """``layernorm_mlp``: ``h = attention_out + residual``, the norm, fc1, the activation, fc2. Returns
-    ``(mlp_out, h)``."""
+    ``(mlp_out, h)``. A ``te.LayerNormMLP`` whose forward normalises with this file's kernel; under FP8 autocast the
+    GEMMs and activation are ``_QuantizedMLP``'s, with this module's quantizers."""
 
     def forward(self, attention_out: torch.Tensor, residual: torch.Tensor):
         normed, total = _add_norm(self, attention_out, residual)
+        fc1_bias, fc2_bias = _bias(self, "fc1_bias"), _bias(self, "fc2_bias")
+        if _fp8_enabled():
+            return self._fp8_forward(normed, fc1_bias, fc2_bias), total
+        dtype = normed.dtype
         if self.activation == "gelu":
-            dtype = normed.dtype
-            weights = (self.fc1_weight, self.fc1_bias, self.fc2_weight, self.fc2_bias)
+            weights = (self.fc1_weight, fc1_bias, self.fc2_weight, fc2_bias)
             return _GeluMLP.apply(normed, *(_cast(w, dtype) for w in weights)), total
-        hidden = _SwiGLU.apply(_linear(normed, self.fc1_weight, self.fc1_bias))
-        return _linear(hidden, self.fc2_weight, self.fc2_bias), total
+        hidden = _SwiGLU.apply(_linear(normed, self.fc1_weight, fc1_bias))
+        return _linear(hidden, self.fc2_weight, fc2_bias), total
+
+    def _fp8_forward(self, normed, fc1_bias, fc2_bias):
+        _fp8_recipe_name()
+        needs_grad = torch.is_grad_enabled()
+        normed = self.prepare_forward(normed, num_gemms=2)
+        try:
+            quantizers = self._get_quantizers(False, needs_grad)
+            dtype = self.activation_dtype
+            bias_dtype = torch.bfloat16 if dtype == torch.float32 else dtype  # cuBLAS's FP8 GEMMs take no fp32 bias
+            fc1_bias, fc2_bias = _cast(fc1_bias, bias_dtype), _cast(fc2_bias, bias_dtype)
+            args = (self.fc1_weight, fc1_bias, self.fc2_weight, fc2_bias, quantizers, self.activation, dtype)
+            if needs_grad:
+                return _QuantizedMLP.apply(normed, *args, True)
+            return _QuantizedMLP.forward(None, normed, *args, False)
+        finally:
+            self.end_forward()
 
 
 class _SelfAttention(nn.Module):
@@ -228,7 +444,8 @@ class _SelfAttention(nn.Module):
             attn_mask_type=mask_type,
             layer_number=layer_number,
         )
-        self.proj = EpilogueLinear(num_heads * head_dim, hidden_size, init_method=output_init, **kw)
+        linear_kw = {name: value for name, value in kw.items() if name != "normalization"}
+        self.proj = EpilogueLinear(num_heads * head_dim, hidden_size, init_method=output_init, **linear_kw)
         # Under GQA, packed_rope.PackedQKVRotary.attach sets this: the rotation then happens in split_qkv's copy.
         self.qkv_rotary = None
 
@@ -342,6 +559,7 @@ class FusedResidualTransformerLayer(nn.Module):
         if num_attention_heads % num_groups:
             raise ValueError(f"num_attention_heads ({num_attention_heads}) must be a multiple of num_gqa_groups")
         head_dim = kv_channels or hidden_size // num_attention_heads
+        device = "cuda" if device is None else device  # (TE's modules' default)
         kw = {"params_dtype": params_dtype, "device": device, "bias": bias, "normalization": normalization}
         self.self_attention = _SelfAttention(
             hidden_size,

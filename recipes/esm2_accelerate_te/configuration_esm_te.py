@@ -53,9 +53,12 @@ class NVEsmConfig(EsmConfig):
     # TE's layer, the residual adds inside Triton LayerNorm kernels, the biases added by the GEMMs (650M, 48k tokens,
     # 1xH100: +2.4% tokens/s). Its losses equal those of TE's layer with TE's bias-dropout-add run eagerly; TE's
     # compiled one lets still-tiny biases break bf16 ties, which lowers the loss over the first ~20 steps
-    # (docs/benchmarks.md). Always rotates inside the QKV projection. bf16/fp32 only: no FP8/FP4 layers, no dropout,
+    # (docs/benchmarks.md). Always rotates inside the QKV projection. bf16/fp32 or FP8 layers (DelayedScaling,
+    # Float8CurrentScaling, Float8BlockScaling: TE's FP8 GEMMs behind these norm kernels); no FP4 layers, no dropout,
     # no context parallelism.
     fused_residual_norm: bool = False
+    # The layer precisions (layer_precision entries) that the fused layers compute in.
+    fused_residual_norm_precisions = (None, "fp8")
 
     def __post_init__(self, **kwargs):
         super().__post_init__(**kwargs)
@@ -89,9 +92,10 @@ class NVEsmConfig(EsmConfig):
         problems += validate_layer_precision(self.layer_precision, self.num_hidden_layers)
         problems += validate_recompute_layers(self.recompute_layers, self.num_hidden_layers)
         if self.fused_residual_norm:
-            if any(p is not None for p in self.layer_precision or []):
+            if any(p not in self.fused_residual_norm_precisions for p in self.layer_precision or []):
                 problems.append(
-                    "fused_residual_norm layers compute in bf16/fp32 only: layer_precision must be all None"
+                    "fused_residual_norm layers compute in bf16/fp32 or FP8: layer_precision entries must be None or "
+                    "'fp8'"
                 )
             if self.hidden_dropout_prob or self.attention_probs_dropout_prob:
                 problems.append(

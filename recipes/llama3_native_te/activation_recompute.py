@@ -30,10 +30,13 @@ _HOLDS_TE_MODULES: "weakref.WeakKeyDictionary[torch.nn.Module, bool]" = weakref.
 
 
 def _holds_te_modules(layer: torch.nn.Module) -> bool:
-    """Whether ``layer`` is or contains a TransformerEngine module (a ``te.TransformerLayer``, or a layer built from TE
-    modules like CodonFM's): those need TE's checkpoint, which replays the forward under the same FP8 autocast."""
+    """Whether ``layer`` is or contains a TransformerEngine module (a ``te.TransformerLayer``, a layer built from TE
+    modules like CodonFM's, or from subclasses of them like the fused layers'): those need TE's checkpoint, which
+    replays the forward under the same FP8 autocast."""
     if layer not in _HOLDS_TE_MODULES:
-        _HOLDS_TE_MODULES[layer] = any(type(m).__module__.startswith("transformer_engine") for m in layer.modules())
+        _HOLDS_TE_MODULES[layer] = any(
+            cls.__module__.startswith("transformer_engine") for m in layer.modules() for cls in type(m).__mro__
+        )
     return _HOLDS_TE_MODULES[layer]
 
 

@@ -2,10 +2,12 @@
 """Where a recipe run may build ``FusedResidualTransformerLayer`` (fused_residual_layer.py) and where it falls back.
 
 The L1 configs of ESM-2, AMPLIFY and Llama turn on ``fused_residual_norm`` (faster on one GPU: docs/benchmarks.md).
-Those layers compute in bf16/fp32 only, do not split attention over a context-parallel group and do not run under
-torch.compile. A run that adds any of these to such a config gets TE's layers instead, with one warning that says
-why, so that ``fp8_config.enabled=true`` or ``cp_size=2`` on top of an L1 config just works. (Built directly, the
-models refuse these combinations with a ValueError.)
+Those layers compute in the precisions their model's config lists in ``fused_residual_norm_precisions`` (ESM-2's:
+bf16/fp32 and FP8 with DelayedScaling, Float8CurrentScaling or Float8BlockScaling; AMPLIFY's and Llama's: bf16/fp32),
+do not split attention over a context-parallel group and do not run under torch.compile. A run that adds anything
+else to such a config gets TE's layers instead, with one warning that says why, so that ``fp4_config.enabled=true``
+or ``cp_size=2`` on top of an L1 config just works. (Built directly, the models refuse these combinations with a
+ValueError.)
 """
 
 import logging
@@ -13,15 +15,27 @@ import logging
 
 logger = logging.getLogger(__name__)
 
+# The FP8 recipes the fused layers run (fused_residual_layer.FP8_RECIPES; MXFP8 needs Blackwell, untested there).
+FUSED_FP8_RECIPES = ("DelayedScaling", "Float8CurrentScaling", "Float8BlockScaling")
+
 
 def keep_fused_layers_only_where_they_run(cfg, config) -> None:
-    """Switch ``config.fused_residual_norm`` off (with a warning) when run config ``cfg`` asks for FP8/FP4 layers
-    (``config.layer_precision``, already resolved), ``cp_size > 1`` or ``use_torch_compile``."""
+    """Switch ``config.fused_residual_norm`` off (with a warning) when run config ``cfg`` asks for layer precisions
+    (``config.layer_precision``, already resolved) or an FP8 recipe the fused layers do not compute in,
+    ``cp_size > 1`` or ``use_torch_compile``."""
     if not getattr(config, "fused_residual_norm", False):
         return
     reasons = []
-    if any(precision is not None for precision in config.layer_precision or []):
-        reasons.append("this run has FP8/FP4 layers and the fused layers compute in bf16/fp32 only")
+    supported = getattr(config, "fused_residual_norm_precisions", (None,))
+    precisions = set(config.layer_precision or [])
+    if precisions - set(supported):
+        reasons.append(
+            f"this run has {'/'.join(sorted(str(p).upper() for p in precisions - set(supported)))} layers and this "
+            f"model's fused layers compute in {', '.join('bf16/fp32' if p is None else p.upper() for p in supported)}"
+        )
+    fp8_recipe = str((cfg.get("fp8_config") or {}).get("fp8_recipe", "")).rsplit(".", 1)[-1]
+    if "fp8" in precisions and "fp8" in supported and fp8_recipe not in FUSED_FP8_RECIPES:
+        reasons.append(f"the fused layers run FP8 with {', '.join(FUSED_FP8_RECIPES)}, not {fp8_recipe}")
     if cfg.get("cp_size", 1) > 1:
         reasons.append("cp_size > 1 and the fused layers do not split attention over a context-parallel group")
     if cfg.get("use_torch_compile", False):

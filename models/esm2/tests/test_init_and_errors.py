@@ -14,8 +14,8 @@ from esm2_te.modeling_esm_te import NVEsmConfig
         ({"hidden_size": 65}, "divisible by num_attention_heads"),
         ({"position_embedding_type": "absolute"}, "rotary"),
         (
-            {"fused_residual_norm": True, "layer_precision": ["fp8", None]},
-            "fused_residual_norm layers compute in bf16/fp32 only",
+            {"fused_residual_norm": True, "layer_precision": ["fp4", None]},
+            "fused_residual_norm layers compute in bf16/fp32 or FP8",
         ),
         ({"fused_residual_norm": True, "hidden_dropout_prob": 0.1}, "fused_residual_norm layers have no dropout"),
         ({"fused_residual_norm": True, "attention_probs_dropout_prob": 0.1}, "fused_residual_norm layers have no"),

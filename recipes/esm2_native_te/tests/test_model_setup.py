@@ -217,28 +217,21 @@ def test_unknown_strategy_fails():
         build_model(bf16_cfg(), torch.device("cpu"), None, strategy="zero3")
 
 
-@pytest.mark.parametrize(
-    "run_overrides, reason",
-    [
-        (["fp8_config.enabled=true"], "this run has FP8/FP4 layers"),
-        (["fp8_config.enabled=true", "fp8_config.fp8_layers=[1]"], "this run has FP8/FP4 layers"),
-        (["cp_size=2"], "cp_size > 1"),
-        (["use_torch_compile=true"], "use_torch_compile=true"),
-    ],
-    ids=["fp8", "one-fp8-layer", "context-parallel", "torch-compile"],
-)
-@pytest.mark.parametrize(
-    "config_name", ["L1_650M", "L1_3B", "L1_amplify_120M", "L1_amplify_350M", "L0_sanity_amplify"]
-)
-def test_fused_layers_are_switched_off_where_they_cannot_run(monkeypatch, caplog, config_name, run_overrides, reason):
-    """The L1 configs of ESM-2 and AMPLIFY turn fused_residual_norm on (as may a user elsewhere); FP8/FP4 layers, context
-    parallelism or torch.compile added to such a run get TE's layers and one warning that says why, not the
-    model's refusal."""
+ESM2_L1 = ["L1_650M", "L1_3B"]
+AMPLIFY_FUSED = ["L1_amplify_120M", "L1_amplify_350M", "L0_sanity_amplify"]
+FP4 = ["fp4_config.enabled=true"]
+MXFP8 = ["fp8_config.enabled=true", "fp8_config.fp8_recipe=MXFP8BlockScaling"]
+
+
+def _fused_layer_choice(monkeypatch, caplog, config_name, run_overrides):
+    """(fused_residual_norm as the config has it, as the run with ``run_overrides`` gets it)."""
     # The per-layer plan as on a GPU machine; TE's recipe object (not needed here) stands in as None.
     monkeypatch.setattr(
         model_families,
         "build_quantization",
-        lambda fp8, fp4, layers: QuantizationPlan(resolve_layer_precision(layers, fp8["enabled"], fp8["fp8_layers"])),
+        lambda fp8, fp4, layers: QuantizationPlan(
+            resolve_layer_precision(layers, fp8["enabled"], fp8["fp8_layers"], fp4["enabled"], fp4["fp4_layers"])
+        ),
     )
     fused = [] if config_name.startswith("L1_") else ["+model_config_overrides.fused_residual_norm=true"]
     with initialize_config_dir(config_dir=str(CONFIG_DIR), version_base="1.3"):
@@ -249,10 +242,40 @@ def test_fused_layers_are_switched_off_where_they_cannot_run(monkeypatch, caplog
     as_is, _ = load_model_config(
         plain, OmegaConf.to_container(plain.fp8_config), OmegaConf.to_container(plain.fp4_config)
     )
-    assert as_is.fused_residual_norm  # on in the config, and kept by a run that can use it
     with caplog.at_level(logging.WARNING, logger="fused_layer_choice"):
         config, _ = load_model_config(
             cfg, OmegaConf.to_container(cfg.fp8_config), OmegaConf.to_container(cfg.fp4_config)
         )
-    assert not config.fused_residual_norm
+    return as_is.fused_residual_norm, config.fused_residual_norm
+
+
+@pytest.mark.parametrize(
+    "config_name, run_overrides, reason",
+    [
+        *[(name, ["fp8_config.enabled=true"], "this run has FP8 layers") for name in AMPLIFY_FUSED],
+        ("L1_amplify_120M", ["fp8_config.enabled=true", "fp8_config.fp8_layers=[1]"], "this run has FP8 layers"),
+        *[(name, FP4, "this run has FP4 layers") for name in ESM2_L1],
+        *[(name, MXFP8, "not MXFP8BlockScaling") for name in ESM2_L1],
+        *[(name, ["cp_size=2"], "cp_size > 1") for name in ESM2_L1 + AMPLIFY_FUSED],
+        *[(name, ["use_torch_compile=true"], "use_torch_compile=true") for name in ESM2_L1 + AMPLIFY_FUSED],
+    ],
+)
+def test_fused_layers_are_switched_off_where_they_cannot_run(monkeypatch, caplog, config_name, run_overrides, reason):
+    """The L1 configs of ESM-2 and AMPLIFY turn fused_residual_norm on (as may a user elsewhere); layer precisions
+    their fused layers do not compute in (AMPLIFY's: FP8; ESM-2's: FP4, or FP8 with MXFP8), context parallelism or
+    torch.compile added to such a run get TE's layers and one warning that says why, not the model's refusal."""
+    as_is, in_run = _fused_layer_choice(monkeypatch, caplog, config_name, run_overrides)
+    assert as_is  # on in the config, and kept by a run that can use it
+    assert not in_run
     assert "fused_residual_norm is off for this run (TE's layers instead)" in caplog.text and reason in caplog.text
+
+
+@pytest.mark.parametrize("fp8_recipe", ["DelayedScaling", "Float8CurrentScaling", "Float8BlockScaling"])
+@pytest.mark.parametrize("fp8_layers", ["all", "[2]"])
+@pytest.mark.parametrize("config_name", ESM2_L1)
+def test_esm2_fp8_runs_keep_the_fused_layers(monkeypatch, caplog, config_name, fp8_layers, fp8_recipe):
+    """ESM-2's fused layers run FP8 with these recipes (TE's FP8 GEMMs behind the fused norms): no fallback."""
+    layers = [] if fp8_layers == "all" else [f"fp8_config.fp8_layers={fp8_layers}"]
+    run = ["fp8_config.enabled=true", f"fp8_config.fp8_recipe={fp8_recipe}", *layers]
+    assert _fused_layer_choice(monkeypatch, caplog, config_name, run) == (True, True)
+    assert "fused_residual_norm is off" not in caplog.text

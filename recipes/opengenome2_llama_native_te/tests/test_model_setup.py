@@ -126,7 +126,7 @@ def test_weights_stay_gathered_between_micro_batches_only_when_asked(one_process
 @pytest.mark.parametrize(
     ("run_overrides", "reason"),
     [
-        (["fp8_config.enabled=true"], "FP8/FP4 layers"),
+        (["fp8_config.enabled=true"], "this run has FP8 layers"),
         (["cp_size=2"], "context-parallel group"),
         (["use_torch_compile=true"], "torch.compile"),
     ],
