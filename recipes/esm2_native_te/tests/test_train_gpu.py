@@ -143,6 +143,26 @@ def test_fp8_layers_learn(tmp_path, recipe):
 
 
 @pytest.mark.requires_fp8
+@pytest.mark.parametrize(
+    ("script", "recipe"), [("train_ddp.py", "DelayedScaling"), ("train_fsdp2.py", "Float8BlockScaling")]
+)
+def test_fp8_fused_layers_learn(tmp_path, script, recipe):
+    """ESM-2's fused layers in FP8 (every layer; the L1 configs' FP8 runs): the run keeps them (no fallback to TE's
+    layers), learns, exports and validates."""
+    overrides = [
+        "dataset.input_format=thd",
+        "dataset.pad_to_multiple_of=16",
+        "fp8_config.enabled=true",
+        f"fp8_config.fp8_recipe={recipe}",
+        "+model_config_overrides.fused_residual_norm=true",
+    ]
+    assert_learned(train_on_gpu(script, tmp_path, *overrides), threshold=2.9, last_steps=40)
+    assert json.loads((tmp_path / "final_model" / "config.json").read_text())["fused_residual_norm"] is True
+    assert_export_reproduces_checkpoint(tmp_path, step=100)
+    assert_validated_at(tmp_path, [75])  # the held-out pass under FP8 (no_grad, eval)
+
+
+@pytest.mark.requires_fp8
 def test_fp8_with_bshd_input_learns(tmp_path):
     """Padded BSHD batches under FP8: the model unpads them and pads the token count to a multiple of 16 itself."""
     overrides = [
