@@ -1,12 +1,12 @@
 """Where a recipe run may build ``FusedResidualTransformerLayer`` (fused_residual_layer.py) and where it falls back.
 
 The L1 configs of ESM-2, AMPLIFY and Llama turn on ``fused_residual_norm`` (faster on one GPU: docs/benchmarks.md).
-Those layers compute in the precisions their model's config lists in ``fused_residual_norm_precisions`` (ESM-2's:
-bf16/fp32 and FP8 with DelayedScaling, Float8CurrentScaling or Float8BlockScaling; AMPLIFY's and Llama's: bf16/fp32),
-do not split attention over a context-parallel group and do not run under torch.compile. A run that adds anything
-else to such a config gets TE's layers instead, with one warning that says why, so that ``fp4_config.enabled=true``
-or ``cp_size=2`` on top of an L1 config just works. (Built directly, the models refuse these combinations with a
-ValueError.)
+Those layers compute in the precisions their model's config lists in ``fused_residual_norm_precisions`` (bf16/fp32,
+and FP8 with DelayedScaling, Float8CurrentScaling or Float8BlockScaling), do not split attention over a
+context-parallel group and do not run under torch.compile. A run that adds anything else to such a config (FP4
+layers, MXFP8, ``cp_size > 1``, torch.compile) gets TE's layers instead, with one warning that says why, so that
+``fp4_config.enabled=true`` or ``cp_size=2`` on top of an L1 config just works. (Built directly, the models refuse
+these combinations with a ValueError.)
 """
 
 import logging

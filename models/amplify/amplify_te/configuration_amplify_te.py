@@ -83,9 +83,12 @@ class NVAmplifyConfig(PreTrainedConfig):
     fused_qkv_rope: bool = False
     # TE backend: build the layers as FusedResidualTransformerLayer (fused_residual_layer.py): the same parameters and
     # numbers as TE's layer, with the residual adds done inside Triton RMSNorm kernels (three fewer passes over the
-    # activations per layer). Always rotates inside the QKV projection (as fused_qkv_rope=True). bf16/fp32 only: no
-    # FP8/FP4 layers, no context parallelism. 350M, 64k tokens, 1xH100: docs/benchmarks.md.
+    # activations per layer). Always rotates inside the QKV projection (as fused_qkv_rope=True). bf16/fp32 or FP8
+    # layers (DelayedScaling, Float8CurrentScaling, Float8BlockScaling: TE's FP8 GEMMs behind these norm kernels); no
+    # FP4 layers, no context parallelism. 350M, 64k tokens, 1xH100: docs/benchmarks.md.
     fused_residual_norm: bool = False
+    # The layer precisions (layer_precision entries) that the fused layers compute in.
+    fused_residual_norm_precisions = (None, "fp8")
     # Derived, not a setting: the standard deviation of the linear init, decoder_init_range / sqrt(3) (a uniform
     # draw on [-r, r] has std r / sqrt(3)). The project's shared init checks read it.
     initializer_range: float | None = None
@@ -126,7 +129,11 @@ class NVAmplifyConfig(PreTrainedConfig):
             problems.append(f"padded_vocab_size ({self.padded_vocab_size}) < vocab_size ({self.vocab_size})")
         problems += validate_layer_precision(self.layer_precision, self.num_hidden_layers)
         problems += validate_recompute_layers(self.recompute_layers, self.num_hidden_layers)
-        if self.fused_residual_norm and any(p is not None for p in self.layer_precision or []):
-            problems.append("fused_residual_norm layers compute in bf16/fp32 only: layer_precision must be all None")
+        if self.fused_residual_norm and any(
+            p not in self.fused_residual_norm_precisions for p in self.layer_precision or []
+        ):
+            problems.append(
+                "fused_residual_norm layers compute in bf16/fp32 or FP8: layer_precision entries must be None or 'fp8'"
+            )
         if problems:
             raise ValueError("Invalid NVAmplifyConfig: " + "; ".join(problems))

@@ -249,7 +249,10 @@ def test_refuses_mismatched_shapes():
         residual_norm.norm_forward(x, weight, None, EPS, add=a[:-1])
 
 
-def test_config_refuses_fp8_layers_with_fused_residual_norm():
-    with pytest.raises(ValueError, match="layer_precision must be all None"):
-        NVAmplifyConfig(num_hidden_layers=2, fused_residual_norm=True, layer_precision=["fp8", None])
+def test_config_refuses_fp4_layers_with_fused_residual_norm():
+    with pytest.raises(ValueError, match="layer_precision entries must be None or 'fp8'"):
+        NVAmplifyConfig(num_hidden_layers=2, fused_residual_norm=True, layer_precision=["fp4", None])
     assert NVAmplifyConfig(num_hidden_layers=2, fused_residual_norm=True).fused_residual_norm
+    assert NVAmplifyConfig(
+        num_hidden_layers=2, fused_residual_norm=True, layer_precision=["fp8", None]
+    ).fused_residual_norm

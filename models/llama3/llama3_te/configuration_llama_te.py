@@ -52,9 +52,12 @@ class NVLlamaConfig(LlamaConfig):
     # TE backend: build the layers as FusedResidualTransformerLayer (fused_residual_layer.py): the same parameters and
     # numbers as TE's layer, with the residual adds done inside Triton RMSNorm kernels and queries and keys rotated
     # as they are copied out of the QKV projection for attention (packed_rope.py) instead of TE's RoPE kernels.
-    # bf16/fp32 only: no FP8/FP4 layers, no context parallelism, no torch.compile. Ignored by the torch backend (an
-    # export loads anywhere). 1B shape on one GPU: docs/benchmarks.md.
+    # bf16/fp32 or FP8 layers (DelayedScaling, Float8CurrentScaling, Float8BlockScaling: TE's FP8 GEMMs behind these
+    # norm kernels); no FP4 layers, no context parallelism, no torch.compile. Ignored by the torch backend (an export
+    # loads anywhere). 1B shape on one GPU: docs/benchmarks.md.
     fused_residual_norm: bool = False
+    # The layer precisions (layer_precision entries) that the fused layers compute in.
+    fused_residual_norm_precisions = (None, "fp8")
 
     def __post_init__(self, **kwargs):
         super().__post_init__(**kwargs)
@@ -95,8 +98,12 @@ class NVLlamaConfig(LlamaConfig):
         if self.embedding_init_std is not None and not self.embedding_init_std > 0:
             problems.append(f"embedding_init_std must be positive or None, got {self.embedding_init_std!r}")
         problems += validate_layer_precision(self.layer_precision, self.num_hidden_layers)
-        if self.fused_residual_norm and any(p is not None for p in self.layer_precision or []):
-            problems.append("fused_residual_norm layers compute in bf16/fp32 only: layer_precision must be all None")
+        if self.fused_residual_norm and any(
+            p not in self.fused_residual_norm_precisions for p in self.layer_precision or []
+        ):
+            problems.append(
+                "fused_residual_norm layers compute in bf16/fp32 or FP8: layer_precision entries must be None or 'fp8'"
+            )
         problems += validate_recompute_layers(self.recompute_layers, self.num_hidden_layers)
         if problems:
             raise ValueError("Invalid NVLlamaConfig: " + "; ".join(problems))

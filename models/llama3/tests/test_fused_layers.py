@@ -169,9 +169,10 @@ def test_grouped_buffers_of_the_wrong_width_are_refused_with_the_layout(interpre
         packed_rope.PackedQKVRotary(4, 16, num_groups=3)
 
 
-def test_fused_layers_refuse_fp8_layers_in_the_config():
-    with pytest.raises(ValueError, match="fused_residual_norm layers compute in bf16/fp32 only"):
-        _config(fused_residual_norm=True, layer_precision=["fp8", None])
+def test_fused_layers_refuse_fp4_layers_in_the_config():
+    with pytest.raises(ValueError, match="fused_residual_norm layers compute in bf16/fp32 or FP8"):
+        _config(fused_residual_norm=True, layer_precision=["fp4", None])
+    assert _config(fused_residual_norm=True, layer_precision=["fp8", None]).fused_residual_norm
 
 
 def test_the_torch_backend_ignores_the_switch_so_an_export_loads_anywhere():

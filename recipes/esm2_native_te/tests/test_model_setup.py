@@ -217,8 +217,7 @@ def test_unknown_strategy_fails():
         build_model(bf16_cfg(), torch.device("cpu"), None, strategy="zero3")
 
 
-ESM2_L1 = ["L1_650M", "L1_3B"]
-AMPLIFY_FUSED = ["L1_amplify_120M", "L1_amplify_350M", "L0_sanity_amplify"]
+FUSED_CONFIGS = ["L1_650M", "L1_3B", "L1_amplify_120M", "L1_amplify_350M", "L0_sanity_amplify"]
 FP4 = ["fp4_config.enabled=true"]
 MXFP8 = ["fp8_config.enabled=true", "fp8_config.fp8_recipe=MXFP8BlockScaling"]
 
@@ -252,18 +251,17 @@ def _fused_layer_choice(monkeypatch, caplog, config_name, run_overrides):
 @pytest.mark.parametrize(
     "config_name, run_overrides, reason",
     [
-        *[(name, ["fp8_config.enabled=true"], "this run has FP8 layers") for name in AMPLIFY_FUSED],
-        ("L1_amplify_120M", ["fp8_config.enabled=true", "fp8_config.fp8_layers=[1]"], "this run has FP8 layers"),
-        *[(name, FP4, "this run has FP4 layers") for name in ESM2_L1],
-        *[(name, MXFP8, "not MXFP8BlockScaling") for name in ESM2_L1],
-        *[(name, ["cp_size=2"], "cp_size > 1") for name in ESM2_L1 + AMPLIFY_FUSED],
-        *[(name, ["use_torch_compile=true"], "use_torch_compile=true") for name in ESM2_L1 + AMPLIFY_FUSED],
+        *[(name, FP4, "this run has FP4 layers") for name in FUSED_CONFIGS],
+        ("L1_amplify_120M", [*FP4, "fp4_config.fp4_layers=[1]"], "this run has FP4 layers"),
+        *[(name, MXFP8, "not MXFP8BlockScaling") for name in FUSED_CONFIGS],
+        *[(name, ["cp_size=2"], "cp_size > 1") for name in FUSED_CONFIGS],
+        *[(name, ["use_torch_compile=true"], "use_torch_compile=true") for name in FUSED_CONFIGS],
     ],
 )
 def test_fused_layers_are_switched_off_where_they_cannot_run(monkeypatch, caplog, config_name, run_overrides, reason):
-    """The L1 configs of ESM-2 and AMPLIFY turn fused_residual_norm on (as may a user elsewhere); layer precisions
-    their fused layers do not compute in (AMPLIFY's: FP8; ESM-2's: FP4, or FP8 with MXFP8), context parallelism or
-    torch.compile added to such a run get TE's layers and one warning that says why, not the model's refusal."""
+    """The L1 configs of ESM-2 and AMPLIFY turn fused_residual_norm on (as may a user elsewhere); FP4 layers, FP8 with
+    MXFP8 (not run by the fused layers), context parallelism or torch.compile added to such a run get TE's layers and
+    one warning that says why, not the model's refusal."""
     as_is, in_run = _fused_layer_choice(monkeypatch, caplog, config_name, run_overrides)
     assert as_is  # on in the config, and kept by a run that can use it
     assert not in_run
@@ -272,9 +270,9 @@ def test_fused_layers_are_switched_off_where_they_cannot_run(monkeypatch, caplog
 
 @pytest.mark.parametrize("fp8_recipe", ["DelayedScaling", "Float8CurrentScaling", "Float8BlockScaling"])
 @pytest.mark.parametrize("fp8_layers", ["all", "[2]"])
-@pytest.mark.parametrize("config_name", ESM2_L1)
-def test_esm2_fp8_runs_keep_the_fused_layers(monkeypatch, caplog, config_name, fp8_layers, fp8_recipe):
-    """ESM-2's fused layers run FP8 with these recipes (TE's FP8 GEMMs behind the fused norms): no fallback."""
+@pytest.mark.parametrize("config_name", FUSED_CONFIGS)
+def test_fp8_runs_keep_the_fused_layers(monkeypatch, caplog, config_name, fp8_layers, fp8_recipe):
+    """The fused layers run FP8 with these recipes (TE's FP8 GEMMs behind the fused norms): no fallback."""
     layers = [] if fp8_layers == "all" else [f"fp8_config.fp8_layers={fp8_layers}"]
     run = ["fp8_config.enabled=true", f"fp8_config.fp8_recipe={fp8_recipe}", *layers]
     assert _fused_layer_choice(monkeypatch, caplog, config_name, run) == (True, True)

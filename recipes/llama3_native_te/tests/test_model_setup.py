@@ -110,24 +110,44 @@ def test_weights_stay_gathered_between_micro_batches_only_when_asked(one_process
     assert sharded_after == [not keep, True]
 
 
+def _plan_as_on_a_gpu(monkeypatch):
+    """The per-layer plan as on a GPU machine; TE's recipe object (not needed here) stands in as None."""
+
+    def plan(fp8, fp4, layers):
+        precision = "fp4" if fp4["enabled"] else "fp8" if fp8["enabled"] else None
+        return model_setup.QuantizationPlan([precision] * layers if precision else None)
+
+    monkeypatch.setattr(model_setup, "build_quantization", plan)
+
+
+@pytest.mark.parametrize("fp8_recipe", ["DelayedScaling", "Float8CurrentScaling", "Float8BlockScaling"])
+def test_fp8_runs_keep_the_fused_layers(monkeypatch, caplog, fp8_recipe):
+    """The fused layers run FP8 with these recipes (TE's FP8 GEMMs behind the fused norms): no fallback."""
+    _plan_as_on_a_gpu(monkeypatch)
+    fused = "+model_config_overrides.fused_residual_norm=true"
+    with caplog.at_level(logging.WARNING):
+        config, _ = model_setup.load_model_config(
+            bf16_cfg(fused, "fp8_config.enabled=true", f"fp8_config.fp8_recipe={fp8_recipe}")
+        )
+    assert config.fused_residual_norm and config.layer_precision == ["fp8"] * config.num_hidden_layers
+    assert "fused_residual_norm is off" not in caplog.text
+
+
 @pytest.mark.parametrize(
     ("run_overrides", "reason"),
     [
-        (["fp8_config.enabled=true"], "this run has FP8 layers"),
+        (["fp4_config.enabled=true"], "this run has FP4 layers"),
+        (["fp8_config.enabled=true", "fp8_config.fp8_recipe=MXFP8BlockScaling"], "not MXFP8BlockScaling"),
         (["cp_size=2"], "context-parallel group"),
         (["use_torch_compile=true"], "torch.compile"),
     ],
-    ids=["fp8", "context-parallel", "torch-compile"],
+    ids=["fp4", "mxfp8", "context-parallel", "torch-compile"],
 )
 def test_fused_layers_are_switched_off_where_they_cannot_run(monkeypatch, caplog, run_overrides, reason):
-    """A run that asks for fused_residual_norm (as the 1B configs do) and adds FP8 layers, context parallelism or
-    torch.compile gets TE's layers and one warning that says why, not the model's refusal."""
-    # The per-layer plan as on a GPU machine; TE's recipe object (not needed here) stands in as None.
-    monkeypatch.setattr(
-        model_setup,
-        "build_quantization",
-        lambda fp8, fp4, layers: model_setup.QuantizationPlan(["fp8"] * layers if fp8["enabled"] else None),
-    )
+    """A run that asks for fused_residual_norm (as the 1B configs do) and adds FP4 layers, FP8 with MXFP8 (not run by
+    the fused layers), context parallelism or torch.compile gets TE's layers and one warning that says why, not the
+    model's refusal."""
+    _plan_as_on_a_gpu(monkeypatch)
     fused = "+model_config_overrides.fused_residual_norm=true"
     as_is, _ = model_setup.load_model_config(bf16_cfg(fused))
     assert as_is.fused_residual_norm  # kept by a run that can use it
