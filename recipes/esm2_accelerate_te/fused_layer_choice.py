@@ -13,10 +13,13 @@ these combinations with a ValueError.)
 import logging
 
 
-logger = logging.getLogger(__name__)
+try:  # package import
+    from .fused_residual_layer import FP8_RECIPES
+except ImportError:  # flat copy inside a recipe folder
+    from fused_residual_layer import FP8_RECIPES
 
-# The FP8 recipes the fused layers run (fused_residual_layer.FP8_RECIPES; MXFP8 needs Blackwell, untested there).
-FUSED_FP8_RECIPES = ("DelayedScaling", "Float8CurrentScaling", "Float8BlockScaling")
+
+logger = logging.getLogger(__name__)
 
 
 def keep_fused_layers_only_where_they_run(cfg, config) -> None:
@@ -34,8 +37,8 @@ def keep_fused_layers_only_where_they_run(cfg, config) -> None:
             f"model's fused layers compute in {', '.join('bf16/fp32' if p is None else p.upper() for p in supported)}"
         )
     fp8_recipe = str((cfg.get("fp8_config") or {}).get("fp8_recipe", "")).rsplit(".", 1)[-1]
-    if "fp8" in precisions and "fp8" in supported and fp8_recipe not in FUSED_FP8_RECIPES:
-        reasons.append(f"the fused layers run FP8 with {', '.join(FUSED_FP8_RECIPES)}, not {fp8_recipe}")
+    if "fp8" in precisions and "fp8" in supported and fp8_recipe not in FP8_RECIPES:
+        reasons.append(f"the fused layers run FP8 with {', '.join(FP8_RECIPES)}, not {fp8_recipe}")
     if cfg.get("cp_size", 1) > 1:
         reasons.append("cp_size > 1 and the fused layers do not split attention over a context-parallel group")
     if cfg.get("use_torch_compile", False):
