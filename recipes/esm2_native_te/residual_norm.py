@@ -14,12 +14,20 @@ the norm and through the residual path). Here both live inside the norm kernels:
   the backward writes ``dh = norm_backward(dy) + d_h`` once and returns it as the gradient of both ``a`` and
   ``residual``.
 
+For FP8 training with delayed scaling (TE's ``DelayedScaling``) the forward can write its output straight in FP8
+(``fp8_output``): ``y * scale`` saturated to E4M3's range and rounded once from float32, the largest ``|y|`` folded
+into the amax that the next scale is computed from, and ``1 / scale`` written for the GEMM, as TE's LayerNorm does
+when it feeds an FP8 GEMM. That spares the pass that would read the bf16 output back to cast it.
+
 Arithmetic is float32 per row, rounded once to the activation dtype, as TE's norm kernels do: RMSNorm
 ``y = x * rstd * weight`` with ``rstd = 1 / sqrt(mean(x^2) + eps)``; LayerNorm ``y = (x - mean) * rstd * weight + bias``
 with ``rstd = 1 / sqrt(mean((x - mean)^2) + eps)``. The weight's (and bias's) gradient is summed per block of rows in
 float32 and then over the blocks. ``TRITON_INTERPRET=1`` runs the kernels on CPU tensors (tests);
 ``rms_norm_reference`` and ``layer_norm_reference`` are the plain torch formulas they are checked against.
 """
+
+from collections.abc import Callable
+from typing import NamedTuple
 
 import torch
 
@@ -45,8 +53,14 @@ _BACKWARD_ROWS = 64
 _FINALIZE_PARTIALS = 64
 _FINALIZE_COLS = 32
 
+# With FP8 output each forward program covers this many tiles, so that fewer programs fold their amax into the one
+# shared value (an atomic each). Two was the fastest of 1-32 at ESM-2 650M's norm (one H200, docs/benchmarks.md).
+_FP8_FORWARD_TILES = 2
+# The largest finite FP8 E4M3 value: the FP8 output saturates there, as TE's casts do (``satfinite``).
+FP8_E4M3_MAX = 448.0
+
 _KERNELS = None
-_add = None  # the reductions' combine function, JIT-decorated with the kernels
+_add = _max = None  # the reductions' combine functions, JIT-decorated with the kernels
 
 
 def _kernels():
@@ -56,13 +70,16 @@ def _kernels():
     ``tl.sum`` and ``tl.zeros``: those were decorated when Triton was imported, and Triton's interpreter cannot call
     them unless it was on at import time. ``CENTERED`` selects LayerNorm (subtract the row mean, add a bias), else
     RMSNorm."""
-    global _KERNELS, _add
+    global _KERNELS, _add, _max
     if _KERNELS is None:
 
         def add(a, b):
             return a + b
 
-        _add = triton.jit(add)
+        def maximum(a, b):
+            return tl.maximum(a, b)
+
+        _add, _max = triton.jit(add), triton.jit(maximum)
 
         def norm_forward(
             x_ptr,
@@ -73,38 +90,64 @@ def _kernels():
             bias_ptr,
             mean_ptr,
             rstd_ptr,
+            scale_ptr,
+            amax_ptr,
+            scale_inv_ptr,
             num_rows,
             num_cols,
             eps,
             HAS_ADD: tl.constexpr,
             CENTERED: tl.constexpr,
+            FP8_OUT: tl.constexpr,
+            FP8_MAX: tl.constexpr,
             ROWS: tl.constexpr,
+            CHUNKS: tl.constexpr,
             BLOCK: tl.constexpr,
         ):
-            rows = tl.program_id(0) * ROWS + tl.arange(0, ROWS)
             cols = tl.arange(0, BLOCK)
-            row_mask = rows < num_rows
             col_mask = cols < num_cols
-            mask = row_mask[:, None] & col_mask[None, :]
-            offsets = rows.to(tl.int64)[:, None] * num_cols + cols[None, :]
-            x = tl.load(x_ptr + offsets, mask=mask, other=0.0).to(tl.float32)
-            if HAS_ADD:
-                total = (x + tl.load(add_ptr + offsets, mask=mask, other=0.0).to(tl.float32)).to(
-                    sum_ptr.dtype.element_ty
-                )
-                tl.store(sum_ptr + offsets, total, mask=mask)
-                x = total.to(tl.float32)  # normalise the rounded sum, which is what the next layer reads
-            if CENTERED:
-                mean = tl.reduce(x, 1, _add) / num_cols
-                tl.store(mean_ptr + rows, mean, mask=row_mask)
-                x = tl.where(mask, x - mean[:, None], 0.0)  # the padding columns stay out of the variance
-            rstd = 1.0 / tl.sqrt(tl.reduce(x * x, 1, _add) / num_cols + eps)
-            tl.store(rstd_ptr + rows, rstd, mask=row_mask)
             weight = tl.load(weight_ptr + cols, mask=col_mask, other=0.0).to(tl.float32)
-            y = x * rstd[:, None] * weight[None, :]
             if CENTERED:
-                y += tl.load(bias_ptr + cols, mask=col_mask, other=0.0).to(tl.float32)[None, :]
-            tl.store(y_ptr + offsets, y.to(y_ptr.dtype.element_ty), mask=mask)
+                bias = tl.load(bias_ptr + cols, mask=col_mask, other=0.0).to(tl.float32)
+            if FP8_OUT:
+                scale = tl.load(scale_ptr)
+                row_amax = tl.full([ROWS], 0.0, dtype=tl.float32)  # per row of the tile, over the program's tiles
+            for chunk in range(CHUNKS):
+                rows = (tl.program_id(0) * CHUNKS + chunk) * ROWS + tl.arange(0, ROWS)
+                row_mask = rows < num_rows
+                mask = row_mask[:, None] & col_mask[None, :]
+                offsets = rows.to(tl.int64)[:, None] * num_cols + cols[None, :]
+                x = tl.load(x_ptr + offsets, mask=mask, other=0.0).to(tl.float32)
+                if HAS_ADD:
+                    total = (x + tl.load(add_ptr + offsets, mask=mask, other=0.0).to(tl.float32)).to(
+                        sum_ptr.dtype.element_ty
+                    )
+                    tl.store(sum_ptr + offsets, total, mask=mask)
+                    x = total.to(tl.float32)  # normalise the rounded sum, which is what the next layer reads
+                if CENTERED:
+                    mean = tl.reduce(x, 1, _add) / num_cols
+                    tl.store(mean_ptr + rows, mean, mask=row_mask)
+                    x = tl.where(mask, x - mean[:, None], 0.0)  # the padding columns stay out of the variance
+                rstd = 1.0 / tl.sqrt(tl.reduce(x * x, 1, _add) / num_cols + eps)
+                tl.store(rstd_ptr + rows, rstd, mask=row_mask)
+                y = x * rstd[:, None] * weight[None, :]
+                if CENTERED:
+                    y += bias[None, :]
+                if FP8_OUT:
+                    # (a padding row of a LayerNorm holds the bias here: kept out of the amax)
+                    row_amax = tl.maximum(row_amax, tl.reduce(tl.where(mask, tl.abs(y), 0.0), 1, _max))
+                    y = tl.clamp(y * scale, -FP8_MAX, FP8_MAX)
+                tl.store(y_ptr + offsets, y.to(y_ptr.dtype.element_ty), mask=mask)
+            if FP8_OUT:
+                # One atomic per program into the amax that all programs raise, and only where it would raise it:
+                # atomics on one address queue up (12,288 of them took ~25 us of a 150 us kernel at 650M's 49,152
+                # rows), and once the largest values are in, most programs skip theirs. The amax only grows, so a
+                # stale read can cost an atomic, never lose one.
+                program_amax = tl.reduce(row_amax, 0, _max)
+                if program_amax > tl.load(amax_ptr):
+                    tl.atomic_max(amax_ptr, program_amax)
+                if tl.program_id(0) == 0:
+                    tl.store(scale_inv_ptr, tl.math.div_rn(1.0, scale))
 
         def norm_backward(
             dy_ptr,
@@ -221,9 +264,33 @@ def _check_affine(name: str, tensor: torch.Tensor, num_cols: int) -> None:
         raise ValueError(f"{name} {tuple(tensor.shape)} must have one entry per feature ({num_cols})")
 
 
-def norm_forward(x, weight, bias, eps: float, add=None):
+class FP8Output(NamedTuple):
+    """Where a norm's forward writes FP8 E4M3 rather than the activation dtype (delayed scaling).
+
+    ``scale`` (one float32) is read; the largest ``|y|`` is folded into ``amax`` (one float32, in place, as TE's casts
+    fold theirs into the current amax history entry); ``wrap(data, scale_inv, dtype)`` turns the E4M3 data and its
+    ``1 / scale`` (a new one-element tensor) into what the norm returns: TE's ``Float8Tensor`` in the fused layers,
+    presenting as ``dtype``."""
+
+    scale: torch.Tensor
+    amax: torch.Tensor
+    wrap: Callable[[torch.Tensor, torch.Tensor, torch.dtype], torch.Tensor]
+
+
+def _check_fp8_output(fp8_output: FP8Output, device: torch.device) -> None:
+    for name in ("scale", "amax"):
+        tensor = getattr(fp8_output, name)
+        if tensor.numel() != 1 or tensor.dtype != torch.float32 or tensor.device != device:
+            raise ValueError(
+                f"the FP8 {name} must be one float32 value on {device}, got {tuple(tensor.shape)} "
+                f"{tensor.dtype} on {tensor.device}"
+            )
+
+
+def norm_forward(x, weight, bias, eps: float, add=None, fp8_output: FP8Output | None = None):
     """(y, h, mean, rstd): ``h = x + add`` (None without ``add``), ``y = norm(h or x)`` (LayerNorm with ``bias``,
-    RMSNorm without), and per row the mean (LayerNorm only, else None) and ``rstd`` (float32)."""
+    RMSNorm without), and per row the mean (LayerNorm only, else None) and ``rstd`` (float32). With ``fp8_output``,
+    ``y`` is ``fp8_output.wrap`` of its E4M3 form (see ``FP8Output``)."""
     x = x.contiguous()
     num_cols = x.shape[-1]
     _check_affine("weight", weight, num_cols)
@@ -232,16 +299,21 @@ def norm_forward(x, weight, bias, eps: float, add=None):
     if add is not None:
         add = add.contiguous()
         _check("the residual", add, x)
+    fp8 = fp8_output is not None
+    if fp8:
+        _check_fp8_output(fp8_output, x.device)
     rows = _rows(x)
     num_rows = rows.shape[0]
-    y = torch.empty_like(x)
+    y = torch.empty_like(x, dtype=torch.float8_e4m3fn if fp8 else None)
     total = torch.empty_like(x) if add is not None else None
     rstd = torch.empty(num_rows, dtype=torch.float32, device=x.device)
     mean = torch.empty(num_rows, dtype=torch.float32, device=x.device) if bias is not None else None
+    scale_inv = torch.empty(1, dtype=torch.float32, device=x.device) if fp8 else None
     if num_rows:
         forward, _, _ = _kernels()
         block, tile_rows, warps = _tile(num_cols)
-        forward[(triton.cdiv(num_rows, tile_rows),)](
+        chunks = _FP8_FORWARD_TILES if fp8 else 1
+        forward[(triton.cdiv(num_rows, tile_rows * chunks),)](
             rows,
             add if add is not None else rows,
             total if total is not None else y,
@@ -250,15 +322,25 @@ def norm_forward(x, weight, bias, eps: float, add=None):
             bias if bias is not None else weight,
             mean if mean is not None else rstd,
             rstd,
+            fp8_output.scale if fp8 else rstd,
+            fp8_output.amax if fp8 else rstd,
+            scale_inv if fp8 else rstd,
             num_rows,
             num_cols,
             eps,
             HAS_ADD=add is not None,
             CENTERED=bias is not None,
+            FP8_OUT=fp8,
+            FP8_MAX=FP8_E4M3_MAX,
             ROWS=tile_rows,
+            CHUNKS=chunks,
             BLOCK=block,
             num_warps=warps,
         )
+    elif fp8:
+        scale_inv.copy_(fp8_output.scale.reciprocal().reshape(1))
+    if fp8:
+        y = fp8_output.wrap(y, scale_inv, x.dtype)
     return y, total, mean, rstd
 
 
@@ -321,9 +403,9 @@ def norm_backward(dy, x, weight, mean, rstd, residual_grad=None):
 
 class _NormKeepInput(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, x, weight, bias, eps: float):
+    def forward(ctx, x, weight, bias, eps: float, fp8_output):
         x = x.contiguous()  # what the kernels read and what is handed on as the residual
-        y, _, mean, rstd = norm_forward(x, weight, bias, eps)
+        y, _, mean, rstd = norm_forward(x, weight, bias, eps, fp8_output=fp8_output)
         ctx.save_for_backward(x, weight, mean, rstd)
         # x is returned as is (autograd makes it a view of the input): the residual path's use of it sends its
         # gradient here, into the same kernel as the norm's. (A strided input was copied above; the copy goes on.)
@@ -335,13 +417,13 @@ class _NormKeepInput(torch.autograd.Function):
         if dy is None:
             dy = torch.zeros_like(x)
         dx, weight_grad, bias_grad = norm_backward(dy, x, weight, mean, rstd, residual_grad)
-        return dx, weight_grad, bias_grad, None
+        return dx, weight_grad, bias_grad, None, None
 
 
 class _AddNorm(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, a, residual, weight, bias, eps: float):
-        y, total, mean, rstd = norm_forward(residual, weight, bias, eps, add=a)
+    def forward(ctx, a, residual, weight, bias, eps: float, fp8_output):
+        y, total, mean, rstd = norm_forward(residual, weight, bias, eps, add=a, fp8_output=fp8_output)
         ctx.save_for_backward(total, weight, mean, rstd)
         return y, total
 
@@ -351,33 +433,44 @@ class _AddNorm(torch.autograd.Function):
         if dy is None:
             dy = torch.zeros_like(total)
         d_total, weight_grad, bias_grad = norm_backward(dy, total, weight, mean, rstd, total_grad)
-        return d_total, d_total, weight_grad, bias_grad, None
+        return d_total, d_total, weight_grad, bias_grad, None, None
 
 
-def rms_norm_keep_input(x: torch.Tensor, weight: torch.Tensor, eps: float) -> tuple[torch.Tensor, torch.Tensor]:
+# ``fp8_output`` (all four): write the norm's output in FP8 (see ``FP8Output``); its gradient arrives in the
+# activation dtype.
+
+
+def rms_norm_keep_input(
+    x: torch.Tensor, weight: torch.Tensor, eps: float, fp8_output: FP8Output | None = None
+) -> tuple[torch.Tensor, torch.Tensor]:
     """``(rmsnorm(x) * weight, x)``; use the second output for the residual path (see the module docstring)."""
-    return _NormKeepInput.apply(x, weight, None, eps)
+    return _NormKeepInput.apply(x, weight, None, eps, fp8_output)
 
 
 def add_rms_norm(
-    a: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor, eps: float
+    a: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor, eps: float, fp8_output: FP8Output | None = None
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """``(rmsnorm(h) * weight, h)`` with ``h = a + residual`` (see the module docstring)."""
-    return _AddNorm.apply(a, residual, weight, None, eps)
+    return _AddNorm.apply(a, residual, weight, None, eps, fp8_output)
 
 
 def layer_norm_keep_input(
-    x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor, eps: float
+    x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor, eps: float, fp8_output: FP8Output | None = None
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """``(layernorm(x) * weight + bias, x)``; use the second output for the residual path."""
-    return _NormKeepInput.apply(x, weight, bias, eps)
+    return _NormKeepInput.apply(x, weight, bias, eps, fp8_output)
 
 
 def add_layer_norm(
-    a: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor, eps: float
+    a: torch.Tensor,
+    residual: torch.Tensor,
+    weight: torch.Tensor,
+    bias: torch.Tensor,
+    eps: float,
+    fp8_output: FP8Output | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """``(layernorm(h) * weight + bias, h)`` with ``h = a + residual``."""
-    return _AddNorm.apply(a, residual, weight, bias, eps)
+    return _AddNorm.apply(a, residual, weight, bias, eps, fp8_output)
 
 
 def rms_norm_reference(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:

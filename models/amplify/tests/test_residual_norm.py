@@ -249,6 +249,100 @@ def test_refuses_mismatched_shapes():
         residual_norm.norm_forward(x, weight, None, EPS, add=a[:-1])
 
 
+def fp8_output(scale: float, amax: float = 0.0):
+    """An ``FP8Output`` whose ``wrap`` keeps what the kernel wrote and returns it dequantised (so a loss can take it
+    and send its gradient back through the norm)."""
+    written = {}
+
+    def wrap(data, scale_inv, dtype):
+        written.update(data=data, scale_inv=scale_inv, dtype=dtype)
+        return data.to(dtype) * scale_inv
+
+    return residual_norm.FP8Output(torch.tensor([scale]), torch.tensor([amax]), wrap), written
+
+
+def fp8_codes_match(actual: torch.Tensor, expected: torch.Tensor) -> torch.Tensor:
+    """Per value: the E4M3 codes are equal or neighbours (float32 sums in another order can round a value sitting on
+    a rounding boundary the other way). Triton's CPU interpreter also loses the carry when a value rounds up into the
+    next power of two (124.5 -> 64 rather than 128) and rounds subnormals (below 2^-6) wrongly; those are faults of
+    the interpreter, not of the GPU's conversion, which the GPU test checks, so they count as matching here."""
+    a, e = actual.view(torch.uint8).int(), expected.view(torch.uint8).int()
+    neighbours = (a - e).abs() <= 1
+    interpreter_carry = (actual.float() * 2 == expected.float()) & (expected.view(torch.uint8) & 0x07 == 0)
+    interpreter_subnormal = (expected.float().abs() < 2**-6) & (actual.float().abs() < 2**-6)
+    return neighbours | interpreter_carry | interpreter_subnormal
+
+
+@pytest.mark.parametrize("norm", NORMS)
+@pytest.mark.parametrize("scale", [3.0, 400.0])
+def test_fp8_output_is_the_scaled_norm_in_e4m3(norm, scale):
+    """``y * scale`` saturated at 448 and rounded to E4M3, the amax raised to the largest |y| (never lowered), and
+    1 / scale beside the data; at scale 400 over a fifth of the values saturate."""
+    x, a, weight, bias = inputs(norm)
+    expected_y = reference_norm(x + a, weight, bias)
+    for start_amax, expected_amax in ((0.0, expected_y.abs().max()), (100.0, torch.tensor(100.0))):
+        output, written = fp8_output(scale, start_amax)
+        y, total, _, _ = residual_norm.norm_forward(x, weight, bias, EPS, add=a, fp8_output=output)
+        torch.testing.assert_close(total, x + a, rtol=0, atol=0)
+        torch.testing.assert_close(output.amax[0], expected_amax, rtol=1e-6, atol=0)
+        data = written["data"]
+        assert data.dtype == torch.float8_e4m3fn and data.shape == x.shape and written["dtype"] == x.dtype
+        assert torch.equal(written["scale_inv"], torch.tensor([1 / scale]))  # correctly rounded, as TE's
+        expected = (expected_y * scale).clamp(-448, 448).to(torch.float8_e4m3fn)
+        matches = fp8_codes_match(data, expected)
+        assert matches.all(), (data[~matches][:8], expected[~matches][:8])
+        exact = (data.view(torch.uint8) == expected.view(torch.uint8)).float().mean()
+        assert exact > 0.9, exact
+        saturated = (expected_y * scale).abs() >= 448
+        assert (data.float()[saturated].abs() == 448).all()
+        if scale == 400.0:
+            assert saturated.float().mean() > 0.2
+        torch.testing.assert_close(y, data.to(x.dtype) / scale)
+
+
+@pytest.mark.parametrize("norm", NORMS)
+def test_fp8_output_gradients_are_those_of_the_plain_output(norm):
+    """The gradient that reaches an FP8 output (in the activation dtype) goes back through the same backward kernel:
+    for the same output gradient, every input's gradient equals the plain path's."""
+    grads = []
+    for use_fp8 in (False, True):
+        x, a, weight, bias = (t.clone().requires_grad_() if t is not None else None for t in inputs(norm))
+        output = fp8_output(2.0)[0] if use_fp8 else None
+        if bias is None:
+            y1, residual = residual_norm.rms_norm_keep_input(x, weight, EPS, fp8_output=output)
+            y2, h = residual_norm.add_rms_norm(a, residual, weight, EPS, fp8_output=output)
+        else:
+            y1, residual = residual_norm.layer_norm_keep_input(x, weight, bias, EPS, fp8_output=output)
+            y2, h = residual_norm.add_layer_norm(a, residual, weight, bias, EPS, fp8_output=output)
+        gradient = torch.linspace(-1, 1, x.numel()).view_as(x)
+        ((y1 + y2) * gradient).sum().add(h.sum()).backward()
+        grads.append([t.grad for t in (x, a, weight, bias) if t is not None])
+    for plain, fp8 in zip(*grads):
+        torch.testing.assert_close(fp8, plain, rtol=0, atol=0)
+
+
+def test_fp8_output_amax_leaves_out_the_padding_rows():
+    """Rows past the end of the input (the last program's tile) are not outputs: a LayerNorm whose every output is
+    zero (each row the same +-1 pattern, the bias cancelling it) must leave the amax at zero, where a padding row's
+    output would be the bias itself."""
+    pattern = torch.tensor([1.0, -1.0]).repeat(FEATURES // 2)
+    x = pattern.repeat(ROWS, 1)  # 150 rows: the last program's tile has padding rows
+    weight, bias = torch.full((FEATURES,), 3.0), -3.0 * pattern
+    output, written = fp8_output(2.0)
+    residual_norm.norm_forward(x, weight, bias, EPS, fp8_output=output)
+    assert output.amax.item() < 1e-4
+    assert written["data"].float().abs().max() < 1e-3
+
+
+def test_fp8_output_refuses_a_scale_that_is_not_one_float32():
+    x, _, weight, _ = inputs("RMSNorm")
+    output, _ = fp8_output(2.0)
+    with pytest.raises(ValueError, match="the FP8 scale must be one float32 value"):
+        residual_norm.norm_forward(x, weight, None, EPS, fp8_output=output._replace(scale=torch.ones(2)))
+    with pytest.raises(ValueError, match="the FP8 amax must be one float32 value"):
+        residual_norm.norm_forward(x, weight, None, EPS, fp8_output=output._replace(amax=torch.ones(1).double()))
+
+
 def test_config_refuses_fp4_layers_with_fused_residual_norm():
     with pytest.raises(ValueError, match="layer_precision entries must be None or 'fp8'"):
         NVAmplifyConfig(num_hidden_layers=2, fused_residual_norm=True, layer_precision=["fp4", None])

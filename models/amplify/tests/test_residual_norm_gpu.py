@@ -59,3 +59,44 @@ def test_every_tile_equals_plain_torch_on_the_gpu(norm, features):
     for name in expected:
         # float32 throughout; the weight and bias gradients sum 1,000 rows in another order
         torch.testing.assert_close(actual[name], expected[name], rtol=1e-4, atol=1e-4, msg=name)
+
+
+@pytest.mark.parametrize("features", [1280, 2560, 5120])
+@pytest.mark.parametrize("norm", ["LayerNorm", "RMSNorm"])
+def test_fp8_output_is_the_scaled_norm_rounded_once_on_the_gpu(norm, features):
+    """The FP8 output (delayed scaling) on the hardware's conversion: E4M3 codes of ``y * scale`` saturated at 448,
+    rounded once from float32, equal to torch's conversion of plain torch's float32 norm (neighbouring codes allowed
+    where the two float32 results straddle a rounding boundary, at most 0.1% of values); the amax is the largest |y|
+    and 1 / scale is correctly rounded. bf16 input and weights, as in training."""
+    generator = torch.Generator(device="cuda").manual_seed(features)
+    x = (torch.randn(1000, features, device="cuda", generator=generator) + 0.7).bfloat16()
+    a = torch.randn(1000, features, device="cuda", generator=generator).bfloat16()
+    weight = (1 + 0.3 * torch.randn(features, device="cuda", generator=generator)).bfloat16()
+    bias = (
+        (0.2 * torch.randn(features, device="cuda", generator=generator)).bfloat16() if norm == "LayerNorm" else None
+    )
+    h = (x.float() + a.float()).bfloat16().float()
+    if bias is None:
+        expected_y = residual_norm.rms_norm_reference(h, weight.float(), EPS)
+    else:
+        expected_y = residual_norm.layer_norm_reference(h, weight.float(), bias.float(), EPS)
+    written = {}
+
+    def wrap(data, scale_inv, dtype):
+        written.update(data=data, scale_inv=scale_inv, dtype=dtype)
+        return data
+
+    for scale in (3.0, 200.0):  # at 200 a part of the values saturate
+        amax = torch.zeros(1, device="cuda")
+        output = residual_norm.FP8Output(torch.tensor([scale], device="cuda"), amax, wrap)
+        _, total, _, _ = residual_norm.norm_forward(a, weight, bias, EPS, add=x, fp8_output=output)
+        assert torch.equal(total, (x + a))
+        torch.testing.assert_close(amax[0], expected_y.abs().max(), rtol=1e-5, atol=0)
+        assert torch.equal(written["scale_inv"].cpu(), torch.tensor([1 / scale]))
+        assert written["dtype"] == torch.bfloat16
+        expected = (expected_y * scale).clamp(-448, 448).to(torch.float8_e4m3fn)
+        codes, expected_codes = written["data"].view(torch.uint8).int(), expected.view(torch.uint8).int()
+        assert (codes - expected_codes).abs().max() <= 1
+        assert (codes != expected_codes).float().mean() < 1e-3
+        if scale == 200.0:
+            assert (written["data"].float().abs() == 448).float().mean() > 0.01
