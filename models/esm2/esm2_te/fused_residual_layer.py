@@ -36,8 +36,10 @@ this layer's projection returns as ``(qkv, residual)``).
 The projections are TE's own modules (``NormQKV`` a ``te.Linear``, ``EpilogueLinear`` a ``te.Linear``, ``AddNormMLP``
 a ``te.LayerNormMLP``) with forwards of their own, so that they hold TE's parameters, ``_extra_state`` and FP8
 scaling state. Under TE's FP8 autocast (``DelayedScaling``, ``Float8CurrentScaling`` or ``Float8BlockScaling``) the
-norms are still this file's kernels, writing bf16, and the GEMMs are TE's FP8 ones: ``te.Linear``'s forward for QKV
-and proj, and for the MLP ``_QuantizedMLP`` (TE's FP8 MLP without its norm: the activation writes fc2's FP8 input).
+norms are still this file's kernels and the GEMMs are TE's FP8 ones: ``te.Linear``'s forward for QKV and proj, and
+for the MLP ``_QuantizedMLP`` (TE's FP8 MLP without its norm: the activation writes fc2's FP8 input). Under
+``DelayedScaling`` the norms write their GEMM's FP8 input themselves (``_norm_fp8_output``) and ESM-2's GELU runs in
+fc1's GEMM's epilogue, writing fc2's FP8 input; under the other two the norms write bf16 and TE casts it.
 TE's layer spends its general LayerNorm kernels there (hidden 1,280 has no tuned one) and the four residual passes:
 on one H200 ESM-2 650M's FP8 step is 12.5 ms shorter with this layer (+3.9% tokens/s) and AMPLIFY 350M's +12.8%
 (docs/benchmarks.md). No FP4/MXFP8 (Blackwell; not tested here), no
@@ -54,21 +56,27 @@ from torch import nn
 
 
 try:  # package import (models/*, exported checkpoints)
-    from .residual_norm import add_layer_norm, add_rms_norm, layer_norm_keep_input, rms_norm_keep_input
+    from .residual_norm import FP8Output, add_layer_norm, add_rms_norm, layer_norm_keep_input, rms_norm_keep_input
     from .te_attention import PackedCuDNNAttention, SplitPackedQKV
 except ImportError:  # flat copy inside a recipe folder
-    from residual_norm import add_layer_norm, add_rms_norm, layer_norm_keep_input, rms_norm_keep_input
+    from residual_norm import FP8Output, add_layer_norm, add_rms_norm, layer_norm_keep_input, rms_norm_keep_input
     from te_attention import PackedCuDNNAttention, SplitPackedQKV
 
 try:
     import transformer_engine.pytorch as te
     import transformer_engine_torch as tex
+    from transformer_engine.pytorch.constants import FP8FwdTensorIdx
     from transformer_engine.pytorch.cpp_extensions import general_gemm
+    from transformer_engine.pytorch.distributed import (
+        in_fp8_activation_recompute_phase,
+        is_fp8_activation_recompute_enabled,
+    )
     from transformer_engine.pytorch.module.base import _2X_ACC_DGRAD, _2X_ACC_FPROP, _2X_ACC_WGRAD, quantize_weight
     from transformer_engine.pytorch.module.linear import _check_fp8_reduce_and_update
     from transformer_engine.pytorch.quantization import FP8GlobalStateManager
     from transformer_engine.pytorch.quantized_tensor import prepare_for_saving, restore_from_saved
     from transformer_engine.pytorch.tensor.float8_blockwise_tensor import Float8BlockQuantizer
+    from transformer_engine.pytorch.tensor.float8_tensor import Float8Quantizer, Float8Tensor
     from transformer_engine.pytorch.utils import init_method_constant
 except Exception:  # ImportError, or a broken CUDA install raising at import; the layer refuses to build then
     te = tex = general_gemm = None
@@ -80,6 +88,10 @@ _TELayerNormMLP = te.LayerNormMLP if te is not None else nn.Module
 
 # The FP8 recipes these layers run (all three need Hopper or newer). MXFP8 and NVFP4 (Blackwell) are not tested here.
 FP8_RECIPES = ("DelayedScaling", "Float8CurrentScaling", "Float8BlockScaling")
+
+# Under delayed scaling, GELU (tanh) runs in fc1's FP8 GEMM's epilogue (``_QuantizedMLP``); False runs TE's GELU
+# kernel after the GEMM, as the other recipes do (tests compare the two).
+GELU_IN_FC1_EPILOGUE = True
 
 NORMALIZATIONS = ("RMSNorm", "LayerNorm")
 ACTIVATIONS = ("swiglu", "gelu")
@@ -212,23 +224,28 @@ def _quantized_grad_and_bias_grad(grad: torch.Tensor, quantizer, with_bias: bool
 
 
 class _QuantizedMLP(torch.autograd.Function):
-    """``fc2(act(fc1(x)))`` with FP8 GEMMs, for an input that arrives normalised (from ``add_layer_norm``).
+    """``fc2(act(fc1(x)))`` with FP8 GEMMs, for an input that arrives normalised (from ``add_layer_norm``), in the
+    activation dtype or already in FP8 (``_norm_fp8_output``).
 
     The FP8 branch of TE 2.20's ``_LayerNormMLP`` without its norm, and without what these layers never use (tensor or
     sequence parallelism, userbuffers, delayed weight gradients, CPU offload, debug quantizers, FP8 weights cached
     across micro-batches): fc1's bias in its GEMM; the activation writes fc2's FP8 input in the same kernel (block
-    scaling: a separate cast, as TE); in backward the output gradient's cast also sums fc2's bias gradient
-    (``tex.bgrad_quantize``), and dGELU, fc1's bias gradient and the cast are one kernel under delayed scaling
-    (``tex.dbias_dgelu``; other recipes: dGELU, then the fused cast and sum). The quantizers are the module's
-    (``te.LayerNormMLP._get_quantizers``), so its FP8 scaling state and ``_extra_state`` are TE's."""
+    scaling: a separate cast, as TE), and under delayed scaling GELU runs in fc1's GEMM's epilogue, which writes
+    fc2's FP8 input itself (``GELU_IN_FC1_EPILOGUE``, TE's ``gemm_gelu_fusion``); in backward the output gradient's
+    cast also sums fc2's bias gradient (``tex.bgrad_quantize``), and dGELU, fc1's bias gradient and the cast are one
+    kernel under delayed scaling (``tex.dbias_dgelu``; other recipes: dGELU, then the fused cast and sum). The
+    quantizers are the module's (``te.LayerNormMLP._get_quantizers``), so its FP8 scaling state and
+    ``_extra_state`` are TE's."""
 
     @staticmethod
     def forward(ctx, x, fc1_weight, fc1_bias, fc2_weight, fc2_bias, quantizers, activation, dtype, needs_grad):
         (fc1_input_q, fc1_weight_q, _, _, _, fc1_grad_q, fc2_input_q, fc2_weight_q, _, _, _, fc2_grad_q) = quantizers
         recipe = FP8GlobalStateManager.get_fp8_recipe()
-        rows = _rows(x)
-        fc1_input_q.set_usage(rowwise=True, columnwise=needs_grad)
-        rows_fp8 = fc1_input_q(rows)
+        if isinstance(x, Float8Tensor):  # written in FP8 by the norm (``_norm_fp8_output``)
+            rows_fp8 = x if x.dim() == 2 else x.view(-1, x.shape[-1])
+        else:
+            fc1_input_q.set_usage(rowwise=True, columnwise=needs_grad)
+            rows_fp8 = fc1_input_q(_rows(x))
         weights_fp8 = []
         for weight, quantizer in ((fc1_weight, fc1_weight_q), (fc2_weight, fc2_weight_q)):
             quantizer.set_usage(rowwise=True, columnwise=needs_grad)
@@ -237,14 +254,31 @@ class _QuantizedMLP(torch.autograd.Function):
             weights_fp8.append(weight_fp8)
         fc1_weight_fp8, fc2_weight_fp8 = weights_fp8
         split = _split_accumulator(recipe, "fprop", _2X_ACC_FPROP)
-        fc1_out, *_ = general_gemm(
-            fc1_weight_fp8, rows_fp8, out_dtype=dtype, bias=fc1_bias, use_split_accumulator=split
-        )
-        act = tex.gelu if activation == "gelu" else tex.swiglu
-        if isinstance(fc2_input_q, Float8BlockQuantizer):  # TE's activation kernels cannot write block-scaled FP8
-            hidden_fp8 = tex.quantize(act(fc1_out, None), fc2_input_q)
+        if activation == "gelu" and GELU_IN_FC1_EPILOGUE and isinstance(fc2_input_q, Float8Quantizer):
+            # Delayed scaling: fc1's GEMM adds the bias, applies GELU and writes fc2's FP8 input (cuBLASLt records
+            # its amax), keeping the pre-activation in bf16 for dGELU (TE's ``gemm_gelu_fusion``). That spares the
+            # GELU kernel's pass over [tokens, ffn] (ESM-2 650M, one H200: fc1 and GELU 0.81-0.87 -> 0.75-0.76 ms
+            # per layer, docs/benchmarks.md). TE transposes the FP8 output for fc2's weight gradient in backward, as
+            # it does the GELU kernel's.
+            fc2_input_q.set_usage(rowwise=True, columnwise=False)
+            hidden_fp8, _, fc1_out, _ = general_gemm(
+                fc1_weight_fp8,
+                rows_fp8,
+                out_dtype=dtype,
+                quantization_params=fc2_input_q,
+                bias=fc1_bias,
+                gelu=True,
+                use_split_accumulator=split,
+            )
         else:
-            hidden_fp8 = act(fc1_out, fc2_input_q)
+            fc1_out, *_ = general_gemm(
+                fc1_weight_fp8, rows_fp8, out_dtype=dtype, bias=fc1_bias, use_split_accumulator=split
+            )
+            act = tex.gelu if activation == "gelu" else tex.swiglu
+            if isinstance(fc2_input_q, Float8BlockQuantizer):  # TE's activation kernels cannot write block-scaled FP8
+                hidden_fp8 = tex.quantize(act(fc1_out, None), fc2_input_q)
+            else:
+                hidden_fp8 = act(fc1_out, fc2_input_q)
         out, *_ = general_gemm(fc2_weight_fp8, hidden_fp8, out_dtype=dtype, bias=fc2_bias, use_split_accumulator=split)
         if needs_grad:
             tensors, ctx.tensor_objects = prepare_for_saving(
@@ -326,18 +360,46 @@ class _QuantizedMLP(torch.autograd.Function):
         )
 
 
-def _norm_keep_input(norm, x: torch.Tensor):
+def _norm_keep_input(norm, x: torch.Tensor, fp8_output: FP8Output | None = None):
     """``(norm(x), x)`` for a module with TE's norm parameters (``layer_norm_bias`` is None for RMSNorm)."""
     if norm.layer_norm_bias is None:
-        return rms_norm_keep_input(x, norm.layer_norm_weight, norm.eps)
-    return layer_norm_keep_input(x, norm.layer_norm_weight, norm.layer_norm_bias, norm.eps)
+        return rms_norm_keep_input(x, norm.layer_norm_weight, norm.eps, fp8_output)
+    return layer_norm_keep_input(x, norm.layer_norm_weight, norm.layer_norm_bias, norm.eps, fp8_output)
 
 
-def _add_norm(norm, a: torch.Tensor, residual: torch.Tensor):
+def _add_norm(norm, a: torch.Tensor, residual: torch.Tensor, fp8_output: FP8Output | None = None):
     """``(norm(a + residual), a + residual)``."""
     if norm.layer_norm_bias is None:
-        return add_rms_norm(a, residual, norm.layer_norm_weight, norm.eps)
-    return add_layer_norm(a, residual, norm.layer_norm_weight, norm.layer_norm_bias, norm.eps)
+        return add_rms_norm(a, residual, norm.layer_norm_weight, norm.eps, fp8_output)
+    return add_layer_norm(a, residual, norm.layer_norm_weight, norm.layer_norm_bias, norm.eps, fp8_output)
+
+
+def _norm_fp8_output(quantizer) -> FP8Output | None:
+    """Where the norm's kernel writes its GEMM's FP8 input itself: for a per-tensor scale known before the cast
+    (delayed scaling's ``Float8Quantizer``, E4M3), as TE's LayerNorm does in front of an FP8 GEMM. That spares the
+    cast's pass over the bf16 output (ESM-2 650M, one H200: norm, cast and transpose 0.203 -> 0.172 ms per norm,
+    docs/benchmarks.md). The result is TE's ``Float8Tensor`` with row-wise data only; TE transposes it for the
+    weight gradient in backward, as it does its own cast's. Current scaling needs the whole output's amax before
+    casting and block scaling its blocks' amaxes, so those get the bf16 output and TE's cast; so does TE's
+    activation recompute, whose second forward swaps the scales in the module's own forward, after the norm would
+    have run."""
+    if not isinstance(quantizer, Float8Quantizer) or quantizer.dtype != tex.DType.kFloat8E4M3:
+        return None
+    if is_fp8_activation_recompute_enabled() or in_fp8_activation_recompute_phase():
+        return None
+
+    def wrap(data: torch.Tensor, scale_inv: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+        return Float8Tensor(
+            shape=data.shape,
+            dtype=dtype,
+            data=data.view(torch.uint8),
+            fp8_scale_inv=scale_inv,
+            fp8_dtype=quantizer.dtype,
+            quantizer=quantizer,
+            device=data.device,
+        )
+
+    return FP8Output(quantizer.scale, quantizer.amax, wrap)
 
 
 def _bias(module, name: str = "bias") -> torch.Tensor | None:
@@ -373,9 +435,17 @@ class NormQKV(_TELinear):
             self.layer_norm_bias = None
 
     def forward(self, x: torch.Tensor, pending: torch.Tensor | None = None):
-        normed, residual = _norm_keep_input(self, x) if pending is None else _add_norm(self, x, pending)
+        fp8_output = None
         if _fp8_enabled():
             _fp8_recipe_name()
+            # TE's forward initialises the FP8 state too (then a no-op); the norm needs the input quantizer first.
+            self.init_fp8_metadata()
+            fp8_output = _norm_fp8_output(self.quantizers["scaling_fwd"][FP8FwdTensorIdx.GEMM1_INPUT])
+        if pending is None:
+            normed, residual = _norm_keep_input(self, x, fp8_output)
+        else:
+            normed, residual = _add_norm(self, x, pending, fp8_output)
+        if _fp8_enabled():
             return super().forward(normed), residual
         return _linear(normed, self.weight, _bias(self)), residual
 
@@ -396,10 +466,10 @@ class AddNormMLP(_TELayerNormMLP):
     GEMMs and activation are ``_QuantizedMLP``'s, with this module's quantizers."""
 
     def forward(self, attention_out: torch.Tensor, residual: torch.Tensor):
-        normed, total = _add_norm(self, attention_out, residual)
         fc1_bias, fc2_bias = _bias(self, "fc1_bias"), _bias(self, "fc2_bias")
         if _fp8_enabled():
-            return self._fp8_forward(normed, fc1_bias, fc2_bias), total
+            return self._fp8_forward(attention_out, residual, fc1_bias, fc2_bias)
+        normed, total = _add_norm(self, attention_out, residual)
         dtype = normed.dtype
         if self.activation == "gelu":
             weights = (self.fc1_weight, fc1_bias, self.fc2_weight, fc2_bias)
@@ -407,19 +477,22 @@ class AddNormMLP(_TELayerNormMLP):
         hidden = _SwiGLU.apply(_linear(normed, self.fc1_weight, fc1_bias))
         return _linear(hidden, self.fc2_weight, fc2_bias), total
 
-    def _fp8_forward(self, normed, fc1_bias, fc2_bias):
+    def _fp8_forward(self, attention_out, residual, fc1_bias, fc2_bias):
+        """``(mlp_out, h)`` under FP8 autocast: the norm, then ``_QuantizedMLP`` (see ``_norm_fp8_output`` for when
+        the norm writes fc1's FP8 input itself)."""
         _fp8_recipe_name()
         needs_grad = torch.is_grad_enabled()
-        normed = self.prepare_forward(normed, num_gemms=2)
+        attention_out = self.prepare_forward(attention_out, num_gemms=2)
         try:
             quantizers = self._get_quantizers(False, needs_grad)
+            normed, total = _add_norm(self, attention_out, residual, _norm_fp8_output(quantizers[0]))
             dtype = self.activation_dtype
             bias_dtype = torch.bfloat16 if dtype == torch.float32 else dtype  # cuBLAS's FP8 GEMMs take no fp32 bias
             fc1_bias, fc2_bias = _cast(fc1_bias, bias_dtype), _cast(fc2_bias, bias_dtype)
             args = (self.fc1_weight, fc1_bias, self.fc2_weight, fc2_bias, quantizers, self.activation, dtype)
             if needs_grad:
-                return _QuantizedMLP.apply(normed, *args, True)
-            return _QuantizedMLP.forward(None, normed, *args, False)
+                return _QuantizedMLP.apply(normed, *args, True), total
+            return _QuantizedMLP.forward(None, normed, *args, False), total
         finally:
             self.end_forward()
 

@@ -147,3 +147,46 @@ def test_fp8_scaling_state_loads_into_te_layers_and_back(converted, monkeypatch)
     again.load_state_dict(te_layers.state_dict(), strict=True)
     for ours, theirs in zip(_projections(again), _projections(te_layers), strict=True):
         assert torch.equal(ours.fp8_meta["scaling_fwd"].scale, theirs.fp8_meta["scaling_fwd"].scale)
+
+
+def test_delayed_scaling_fusions_run_and_change_only_rounding(converted, monkeypatch):
+    """Under DelayedScaling each norm writes its GEMM's FP8 input itself (two per layer and pass) and fc1's GEMM
+    applies GELU and writes fc2's FP8 input (one per layer and pass). Against the path of the other recipes (bf16 norm
+    output and GELU output, each cast by TE), forced here, that changes only rounding (E4M3 from float32 once, not
+    through bf16): the same loss within 0.5% and every gradient within 5%, a fraction of FP8's own error against bf16
+    (test above). Float8CurrentScaling keeps the bf16 outputs and TE's casts."""
+    from esm2_te import fused_residual_layer
+
+    batch = model_inputs("thd")
+    real_norm_output, real_gemm = fused_residual_layer._norm_fp8_output, fused_residual_layer.general_gemm
+    norms_in_fp8, gelu_epilogues = [], []
+
+    def norm_output_spy(quantizer):
+        output = real_norm_output(quantizer)
+        norms_in_fp8.append(output is not None)
+        return output
+
+    def gemm_spy(*args, **kwargs):
+        if kwargs.get("gelu") and kwargs.get("quantization_params") is not None:
+            gelu_epilogues.append(True)
+        return real_gemm(*args, **kwargs)
+
+    monkeypatch.setattr(fused_residual_layer, "_norm_fp8_output", norm_output_spy)
+    monkeypatch.setattr(fused_residual_layer, "general_gemm", gemm_spy)
+    layers = SHAPE["num_hidden_layers"]
+    fused_loss, fused = _gradients(_model(converted, fused=True, recipe_name="DelayedScaling"), batch, passes=3)
+    assert norms_in_fp8 == [True] * (3 * 2 * layers)
+    assert len(gelu_epilogues) == 3 * layers
+    norms_in_fp8.clear()
+    gelu_epilogues.clear()
+    _gradients(_model(converted, fused=True, recipe_name="Float8CurrentScaling"), batch, passes=1)
+    assert norms_in_fp8 == [False] * (2 * layers) and not gelu_epilogues
+
+    monkeypatch.setattr(fused_residual_layer, "_norm_fp8_output", lambda quantizer: None)
+    monkeypatch.setattr(fused_residual_layer, "GELU_IN_FC1_EPILOGUE", False)
+    cast_loss, cast = _gradients(_model(converted, fused=True, recipe_name="DelayedScaling"), batch, passes=3)
+    assert not gelu_epilogues
+    assert fused_loss == pytest.approx(cast_loss, rel=5e-3)
+    differences = {name: ((fused[name] - grad).norm() / grad.norm()).item() for name, grad in cast.items()}
+    print("DelayedScaling fusions vs bf16 outputs cast by TE, gradient difference:", differences)
+    assert max(differences.values()) < 5e-2, differences
