@@ -37,7 +37,7 @@ The projections are TE's own modules (``NormQKV`` a ``te.Linear``, ``EpilogueLin
 a ``te.LayerNormMLP``) with forwards of their own, so that they hold TE's parameters, ``_extra_state`` and FP8
 scaling state. Under TE's FP8 autocast (``DelayedScaling``, ``Float8CurrentScaling`` or ``Float8BlockScaling``) the
 norms are still this file's kernels and the GEMMs are TE's FP8 ones: ``te.Linear``'s forward for QKV and proj, and
-for the MLP ``_QuantizedMLP`` (TE's FP8 MLP without its norm: the activation writes fc2's FP8 input). Under
+for the MLP fp8_mlp.py's ``QuantizedMLP`` (TE's FP8 MLP without its norm: the activation writes fc2's FP8 input). Under
 ``DelayedScaling`` the norms write their GEMM's FP8 input themselves (``_norm_fp8_output``) and ESM-2's GELU runs in
 fc1's GEMM's epilogue, writing fc2's FP8 input; under the other two the norms write bf16 and TE casts it.
 TE's layer spends its general LayerNorm kernels there (hidden 1,280 has no tuned one) and the four residual passes:
@@ -56,9 +56,11 @@ from torch import nn
 
 
 try:  # package import (models/*, exported checkpoints)
+    from .fp8_mlp import QuantizedMLP
     from .residual_norm import FP8Output, add_layer_norm, add_rms_norm, layer_norm_keep_input, rms_norm_keep_input
     from .te_attention import PackedCuDNNAttention, SplitPackedQKV
 except ImportError:  # flat copy inside a recipe folder
+    from fp8_mlp import QuantizedMLP
     from residual_norm import FP8Output, add_layer_norm, add_rms_norm, layer_norm_keep_input, rms_norm_keep_input
     from te_attention import PackedCuDNNAttention, SplitPackedQKV
 
@@ -71,11 +73,7 @@ try:
         in_fp8_activation_recompute_phase,
         is_fp8_activation_recompute_enabled,
     )
-    from transformer_engine.pytorch.module.base import _2X_ACC_DGRAD, _2X_ACC_FPROP, _2X_ACC_WGRAD, quantize_weight
-    from transformer_engine.pytorch.module.linear import _check_fp8_reduce_and_update
     from transformer_engine.pytorch.quantization import FP8GlobalStateManager
-    from transformer_engine.pytorch.quantized_tensor import prepare_for_saving, restore_from_saved
-    from transformer_engine.pytorch.tensor.float8_blockwise_tensor import Float8BlockQuantizer
     from transformer_engine.pytorch.tensor.float8_tensor import Float8Quantizer, Float8Tensor
     from transformer_engine.pytorch.utils import init_method_constant
 except Exception:  # ImportError, or a broken CUDA install raising at import; the layer refuses to build then
@@ -89,9 +87,6 @@ _TELayerNormMLP = te.LayerNormMLP if te is not None else nn.Module
 # The FP8 recipes these layers run (all three need Hopper or newer). MXFP8 and NVFP4 (Blackwell) are not tested here.
 FP8_RECIPES = ("DelayedScaling", "Float8CurrentScaling", "Float8BlockScaling")
 
-# Under delayed scaling, GELU (tanh) runs in fc1's FP8 GEMM's epilogue (``_QuantizedMLP``); False runs TE's GELU
-# kernel after the GEMM, as the other recipes do (tests compare the two).
-GELU_IN_FC1_EPILOGUE = True
 
 NORMALIZATIONS = ("RMSNorm", "LayerNorm")
 ACTIVATIONS = ("swiglu", "gelu")
@@ -206,160 +201,6 @@ def _fp8_recipe_name() -> str:
     return name
 
 
-def _split_accumulator(recipe, gemm: str, default: bool) -> bool:
-    settings = getattr(recipe, f"fp8_gemm_{gemm}", None)
-    return settings.use_split_accumulator if settings is not None else default
-
-
-def _quantized_grad_and_bias_grad(grad: torch.Tensor, quantizer, with_bias: bool):
-    """``(quantizer(grad), grad.sum(0) or None)``: one fused kernel (``tex.bgrad_quantize``) for per-tensor scaling;
-    block scaling has no fused bias gradient in TE, so the sum is apart (as ``te.LayerNormMLP`` does)."""
-    quantizer.set_usage(rowwise=True, columnwise=True)
-    if not with_bias:
-        return quantizer(grad), None
-    if isinstance(quantizer, Float8BlockQuantizer):
-        return quantizer(grad), grad.sum(0)
-    bias_grad, quantized = tex.bgrad_quantize(grad, quantizer)
-    return quantized, bias_grad
-
-
-class _QuantizedMLP(torch.autograd.Function):
-    """``fc2(act(fc1(x)))`` with FP8 GEMMs, for an input that arrives normalised (from ``add_layer_norm``), in the
-    activation dtype or already in FP8 (``_norm_fp8_output``).
-
-    The FP8 branch of TE 2.20's ``_LayerNormMLP`` without its norm, and without what these layers never use (tensor or
-    sequence parallelism, userbuffers, delayed weight gradients, CPU offload, debug quantizers, FP8 weights cached
-    across micro-batches): fc1's bias in its GEMM; the activation writes fc2's FP8 input in the same kernel (block
-    scaling: a separate cast, as TE), and under delayed scaling GELU runs in fc1's GEMM's epilogue, which writes
-    fc2's FP8 input itself (``GELU_IN_FC1_EPILOGUE``, TE's ``gemm_gelu_fusion``); in backward the output gradient's
-    cast also sums fc2's bias gradient (``tex.bgrad_quantize``), and dGELU, fc1's bias gradient and the cast are one
-    kernel under delayed scaling (``tex.dbias_dgelu``; other recipes: dGELU, then the fused cast and sum). The
-    quantizers are the module's (``te.LayerNormMLP._get_quantizers``), so its FP8 scaling state and
-    ``_extra_state`` are TE's."""
-
-    @staticmethod
-    def forward(ctx, x, fc1_weight, fc1_bias, fc2_weight, fc2_bias, quantizers, activation, dtype, needs_grad):
-        (fc1_input_q, fc1_weight_q, _, _, _, fc1_grad_q, fc2_input_q, fc2_weight_q, _, _, _, fc2_grad_q) = quantizers
-        recipe = FP8GlobalStateManager.get_fp8_recipe()
-        if isinstance(x, Float8Tensor):  # written in FP8 by the norm (``_norm_fp8_output``)
-            rows_fp8 = x if x.dim() == 2 else x.view(-1, x.shape[-1])
-        else:
-            fc1_input_q.set_usage(rowwise=True, columnwise=needs_grad)
-            rows_fp8 = fc1_input_q(_rows(x))
-        weights_fp8 = []
-        for weight, quantizer in ((fc1_weight, fc1_weight_q), (fc2_weight, fc2_weight_q)):
-            quantizer.set_usage(rowwise=True, columnwise=needs_grad)
-            weight_fp8, _ = quantize_weight(tensor=weight, quantizer=quantizer, workspace_dtype=dtype)
-            weight_fp8.update_usage(rowwise_usage=True)
-            weights_fp8.append(weight_fp8)
-        fc1_weight_fp8, fc2_weight_fp8 = weights_fp8
-        split = _split_accumulator(recipe, "fprop", _2X_ACC_FPROP)
-        if activation == "gelu" and GELU_IN_FC1_EPILOGUE and isinstance(fc2_input_q, Float8Quantizer):
-            # Delayed scaling: fc1's GEMM adds the bias, applies GELU and writes fc2's FP8 input (cuBLASLt records
-            # its amax), keeping the pre-activation in bf16 for dGELU (TE's ``gemm_gelu_fusion``). That spares the
-            # GELU kernel's pass over [tokens, ffn] (ESM-2 650M, one H200: fc1 and GELU 0.81-0.87 -> 0.75-0.76 ms
-            # per layer, docs/benchmarks.md). TE transposes the FP8 output for fc2's weight gradient in backward, as
-            # it does the GELU kernel's.
-            fc2_input_q.set_usage(rowwise=True, columnwise=False)
-            hidden_fp8, _, fc1_out, _ = general_gemm(
-                fc1_weight_fp8,
-                rows_fp8,
-                out_dtype=dtype,
-                quantization_params=fc2_input_q,
-                bias=fc1_bias,
-                gelu=True,
-                use_split_accumulator=split,
-            )
-        else:
-            fc1_out, *_ = general_gemm(
-                fc1_weight_fp8, rows_fp8, out_dtype=dtype, bias=fc1_bias, use_split_accumulator=split
-            )
-            act = tex.gelu if activation == "gelu" else tex.swiglu
-            if isinstance(fc2_input_q, Float8BlockQuantizer):  # TE's activation kernels cannot write block-scaled FP8
-                hidden_fp8 = tex.quantize(act(fc1_out, None), fc2_input_q)
-            else:
-                hidden_fp8 = act(fc1_out, fc2_input_q)
-        out, *_ = general_gemm(fc2_weight_fp8, hidden_fp8, out_dtype=dtype, bias=fc2_bias, use_split_accumulator=split)
-        if needs_grad:
-            tensors, ctx.tensor_objects = prepare_for_saving(
-                rows_fp8, fc1_weight_fp8, fc1_out, hidden_fp8, fc2_weight_fp8
-            )
-            ctx.save_for_backward(*tensors)
-            ctx.quantizers = (fc1_grad_q, fc2_grad_q)
-            ctx.recipe, ctx.activation, ctx.dtype, ctx.input_shape = recipe, activation, dtype, x.shape
-            ctx.with_bias = fc1_bias is not None, fc2_bias is not None
-            ctx.weight_dtypes = fc1_weight.dtype, fc2_weight.dtype
-            # The first FP8 module of the forward runs last in backward and then updates every backward scale.
-            ctx.reduce_and_update_backward_scales = _check_fp8_reduce_and_update()
-        return out.view(*x.shape[:-1], out.shape[-1])
-
-    @staticmethod
-    def backward(ctx, grad):
-        rows_fp8, fc1_weight_fp8, fc1_out, hidden_fp8, fc2_weight_fp8 = restore_from_saved(
-            ctx.tensor_objects, ctx.saved_tensors
-        )
-        ctx.tensor_objects = None
-        fc1_grad_q, fc2_grad_q = ctx.quantizers
-        recipe, dtype = ctx.recipe, ctx.dtype
-        dgrad_split = _split_accumulator(recipe, "dgrad", _2X_ACC_DGRAD)
-        wgrad_split = _split_accumulator(recipe, "wgrad", _2X_ACC_WGRAD)
-        # The weight-gradient GEMMs' ``grad`` flag (TE sets it off for block scaling, whose GEMMs take no epilogue).
-        wgrad_flag = not recipe.float8_block_scaling()
-        fc1_with_bias, fc2_with_bias = ctx.with_bias
-
-        grad_fp8, fc2_bias_grad = _quantized_grad_and_bias_grad(_rows(grad).contiguous(), fc2_grad_q, fc2_with_bias)
-        fc2_weight_fp8.update_usage(columnwise_usage=True)
-        hidden_grad, *_ = general_gemm(
-            fc2_weight_fp8, grad_fp8, out_dtype=dtype, layout="NN", grad=True, use_split_accumulator=dgrad_split
-        )
-        hidden_fp8.update_usage(columnwise_usage=True)
-        grad_fp8.update_usage(columnwise_usage=True)
-        fc2_weight_grad, *_ = general_gemm(
-            hidden_fp8, grad_fp8, out_dtype=dtype, layout="NT", grad=wgrad_flag, use_split_accumulator=wgrad_split
-        )
-
-        if ctx.activation == "gelu" and (recipe.delayed() or recipe.mxfp8()):
-            fc1_grad_q.set_usage(rowwise=True, columnwise=True)
-            fc1_bias_grad, fc1_out_grad_fp8 = tex.dbias_dgelu(hidden_grad, fc1_out, fc1_grad_q)
-        else:
-            dact = tex.dgelu if ctx.activation == "gelu" else tex.dswiglu
-            fc1_out_grad_fp8, fc1_bias_grad = _quantized_grad_and_bias_grad(
-                dact(hidden_grad, fc1_out, None), fc1_grad_q, fc1_with_bias
-            )
-        fc1_weight_fp8.update_usage(columnwise_usage=True)
-        input_grad, *_ = general_gemm(
-            fc1_weight_fp8,
-            fc1_out_grad_fp8,
-            out_dtype=dtype,
-            layout="NN",
-            grad=True,
-            use_split_accumulator=dgrad_split,
-        )
-        rows_fp8.update_usage(columnwise_usage=True)
-        fc1_out_grad_fp8.update_usage(columnwise_usage=True)
-        fc1_weight_grad, *_ = general_gemm(
-            rows_fp8,
-            fc1_out_grad_fp8,
-            out_dtype=dtype,
-            layout="NT",
-            grad=wgrad_flag,
-            use_split_accumulator=wgrad_split,
-        )
-        if ctx.reduce_and_update_backward_scales:
-            FP8GlobalStateManager.reduce_and_update_fp8_tensors(forward=False)
-        return (
-            input_grad.view(ctx.input_shape),
-            fc1_weight_grad,
-            fc1_bias_grad if fc1_with_bias else None,
-            fc2_weight_grad,
-            fc2_bias_grad if fc2_with_bias else None,
-            None,
-            None,
-            None,
-            None,
-        )
-
-
 def _norm_keep_input(norm, x: torch.Tensor, fp8_output: FP8Output | None = None):
     """``(norm(x), x)`` for a module with TE's norm parameters (``layer_norm_bias`` is None for RMSNorm)."""
     if norm.layer_norm_bias is None:
@@ -463,7 +304,7 @@ class EpilogueLinear(_TELinear):
 class AddNormMLP(_TELayerNormMLP):
     """``layernorm_mlp``: ``h = attention_out + residual``, the norm, fc1, the activation, fc2. Returns
     ``(mlp_out, h)``. A ``te.LayerNormMLP`` whose forward normalises with this file's kernel; under FP8 autocast the
-    GEMMs and activation are ``_QuantizedMLP``'s, with this module's quantizers."""
+    GEMMs and activation are ``QuantizedMLP``'s, with this module's quantizers."""
 
     def forward(self, attention_out: torch.Tensor, residual: torch.Tensor):
         fc1_bias, fc2_bias = _bias(self, "fc1_bias"), _bias(self, "fc2_bias")
@@ -478,7 +319,7 @@ class AddNormMLP(_TELayerNormMLP):
         return _linear(hidden, self.fc2_weight, fc2_bias), total
 
     def _fp8_forward(self, attention_out, residual, fc1_bias, fc2_bias):
-        """``(mlp_out, h)`` under FP8 autocast: the norm, then ``_QuantizedMLP`` (see ``_norm_fp8_output`` for when
+        """``(mlp_out, h)`` under FP8 autocast: the norm, then ``QuantizedMLP`` (see ``_norm_fp8_output`` for when
         the norm writes fc1's FP8 input itself)."""
         _fp8_recipe_name()
         needs_grad = torch.is_grad_enabled()
@@ -491,8 +332,8 @@ class AddNormMLP(_TELayerNormMLP):
             fc1_bias, fc2_bias = _cast(fc1_bias, bias_dtype), _cast(fc2_bias, bias_dtype)
             args = (self.fc1_weight, fc1_bias, self.fc2_weight, fc2_bias, quantizers, self.activation, dtype)
             if needs_grad:
-                return _QuantizedMLP.apply(normed, *args, True), total
-            return _QuantizedMLP.forward(None, normed, *args, False), total
+                return QuantizedMLP.apply(normed, *args, True), total
+            return QuantizedMLP.forward(None, normed, *args, False), total
         finally:
             self.end_forward()
 

@@ -34,7 +34,7 @@ logger = logging.getLogger(__name__)
 # Files a modeling file imports from beside it; an export ships those of them that sit beside it (the torch
 # backend's three files and layer_autocast.py to all; te_attention.py and te_attention_backward.py to the models
 # whose TE attention takes packed QKV, activation_recompute.py and layer_stack.py to all but ViT, packed_rope.py,
-# fused_residual_layer.py and residual_norm.py to ESM-2, AMPLIFY and Llama, llama_decoding.py to Llama,
+# fused_residual_layer.py, fp8_mlp.py and residual_norm.py to ESM-2, AMPLIFY and Llama, llama_decoding.py to Llama,
 # encodon_layer.py to CodonFM).
 MODELING_SUPPORT_FILES = (
     "torch_layers.py",
@@ -47,6 +47,7 @@ MODELING_SUPPORT_FILES = (
     "activation_recompute.py",
     "packed_rope.py",
     "fused_residual_layer.py",
+    "fp8_mlp.py",
     "residual_norm.py",
     "layer_autocast.py",
     "layer_stack.py",

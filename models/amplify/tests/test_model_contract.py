@@ -62,6 +62,9 @@ CONTRACTS = {
             "activation_recompute.py",
             "layer_autocast.py",
             "packed_rope.py",
+            "fused_residual_layer.py",
+            "fp8_mlp.py",
+            "residual_norm.py",
         ),
         te_hf_model=partial(reference_model, {**shape_of("AMPLIFY_120M"), "num_hidden_layers": 4}),
         te_checked_gradients=(

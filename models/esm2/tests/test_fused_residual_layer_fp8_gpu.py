@@ -1,5 +1,5 @@
 """ESM-2's fused layers in FP8 (``fused_residual_norm=True`` with ``layer_precision`` "fp8"): the norms are the fused
-Triton kernels, the GEMMs TE's FP8 ones (``te.Linear`` for QKV and proj, ``_QuantizedMLP`` for the MLP). Their
+Triton kernels, the GEMMs TE's FP8 ones (``te.Linear`` for QKV and proj, ``fp8_mlp.QuantizedMLP`` for the MLP). Their
 gradients are as close to the bf16 model's as TE's layers' in FP8 are, they train like TE's FP8 layers, they really
 compute in FP8, and their FP8 scaling state loads into TE's layers and back."""
 
@@ -155,10 +155,10 @@ def test_delayed_scaling_fusions_run_and_change_only_rounding(converted, monkeyp
     output and GELU output, each cast by TE), forced here, that changes only rounding (E4M3 from float32 once, not
     through bf16): the same loss within 0.5% and every gradient within 5%, a fraction of FP8's own error against bf16
     (test above). Float8CurrentScaling keeps the bf16 outputs and TE's casts."""
-    from esm2_te import fused_residual_layer
+    from esm2_te import fp8_mlp, fused_residual_layer
 
     batch = model_inputs("thd")
-    real_norm_output, real_gemm = fused_residual_layer._norm_fp8_output, fused_residual_layer.general_gemm
+    real_norm_output, real_gemm = fused_residual_layer._norm_fp8_output, fp8_mlp.general_gemm
     norms_in_fp8, gelu_epilogues = [], []
 
     def norm_output_spy(quantizer):
@@ -172,7 +172,7 @@ def test_delayed_scaling_fusions_run_and_change_only_rounding(converted, monkeyp
         return real_gemm(*args, **kwargs)
 
     monkeypatch.setattr(fused_residual_layer, "_norm_fp8_output", norm_output_spy)
-    monkeypatch.setattr(fused_residual_layer, "general_gemm", gemm_spy)
+    monkeypatch.setattr(fp8_mlp, "general_gemm", gemm_spy)
     layers = SHAPE["num_hidden_layers"]
     fused_loss, fused = _gradients(_model(converted, fused=True, recipe_name="DelayedScaling"), batch, passes=3)
     assert norms_in_fp8 == [True] * (3 * 2 * layers)
@@ -183,7 +183,7 @@ def test_delayed_scaling_fusions_run_and_change_only_rounding(converted, monkeyp
     assert norms_in_fp8 == [False] * (2 * layers) and not gelu_epilogues
 
     monkeypatch.setattr(fused_residual_layer, "_norm_fp8_output", lambda quantizer: None)
-    monkeypatch.setattr(fused_residual_layer, "GELU_IN_FC1_EPILOGUE", False)
+    monkeypatch.setattr(fp8_mlp, "GELU_IN_FC1_EPILOGUE", False)
     cast_loss, cast = _gradients(_model(converted, fused=True, recipe_name="DelayedScaling"), batch, passes=3)
     assert not gelu_epilogues
     assert fused_loss == pytest.approx(cast_loss, rel=5e-3)

@@ -64,6 +64,9 @@ CONTRACTS = {
             "activation_recompute.py",
             "layer_autocast.py",
             "packed_rope.py",
+            "fused_residual_layer.py",
+            "fp8_mlp.py",
+            "residual_norm.py",
         ),
         te_hf_model=partial(stock_model, shape_of("esm2_t6_8M_UR50D")),
         te_checked_gradients=(

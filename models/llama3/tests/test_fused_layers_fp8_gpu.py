@@ -1,5 +1,5 @@
 """Llama's fused layers in FP8 (``fused_residual_norm=True`` with ``layer_precision`` "fp8"): grouped-query, causal
-attention, the RMSNorm kernels, and TE's FP8 GEMMs (``te.Linear`` for QKV and proj, ``_QuantizedMLP`` with SwiGLU for
+attention, the RMSNorm kernels, and TE's FP8 GEMMs (``te.Linear`` for QKV and proj, ``fp8_mlp.QuantizedMLP`` with SwiGLU for
 the MLP). Their gradients are as close to the bf16 model's as TE's layers' in FP8 are, and they train like TE's FP8
 layers."""
 

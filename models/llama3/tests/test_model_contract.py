@@ -77,6 +77,7 @@ def llama_contract(tie: bool, shape: str, rope: str) -> ModelContract:
             "layer_autocast.py",
             "layer_stack.py",
             "fused_residual_layer.py",
+            "fp8_mlp.py",
             "residual_norm.py",
             "te_attention.py",
             "te_attention_backward.py",
