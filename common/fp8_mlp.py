@@ -6,6 +6,7 @@ import torch
 
 
 try:
+    import transformer_engine.pytorch  # noqa: F401  (loads TE's extension, transformer_engine_torch, first)
     import transformer_engine_torch as tex
     from transformer_engine.pytorch.cpp_extensions import general_gemm
     from transformer_engine.pytorch.module.base import _2X_ACC_DGRAD, _2X_ACC_FPROP, _2X_ACC_WGRAD, quantize_weight
@@ -16,6 +17,13 @@ try:
     from transformer_engine.pytorch.tensor.float8_tensor import Float8Quantizer, Float8Tensor
 except Exception:  # ImportError, or a broken CUDA install raising at import; the fused layers refuse to build then
     tex = general_gemm = None
+
+
+def te_imported() -> bool:
+    """Whether TE's FP8 pieces imported (the fused layers refuse to build without them, rather than fail at the first
+    FP8 forward)."""
+    return general_gemm is not None
+
 
 # Under delayed scaling, GELU (tanh) runs in fc1's FP8 GEMM's epilogue; False runs TE's GELU kernel after the GEMM,
 # as the other recipes do (tests compare the two).

@@ -56,11 +56,11 @@ from torch import nn
 
 
 try:  # package import (models/*, exported checkpoints)
-    from .fp8_mlp import QuantizedMLP
+    from .fp8_mlp import QuantizedMLP, te_imported
     from .residual_norm import FP8Output, add_layer_norm, add_rms_norm, layer_norm_keep_input, rms_norm_keep_input
     from .te_attention import PackedCuDNNAttention, SplitPackedQKV
 except ImportError:  # flat copy inside a recipe folder
-    from fp8_mlp import QuantizedMLP
+    from fp8_mlp import QuantizedMLP, te_imported
     from residual_norm import FP8Output, add_layer_norm, add_rms_norm, layer_norm_keep_input, rms_norm_keep_input
     from te_attention import PackedCuDNNAttention, SplitPackedQKV
 
@@ -453,7 +453,7 @@ class FusedResidualTransformerLayer(nn.Module):
         **unused,
     ):
         super().__init__()
-        if te is None:
+        if te is None or not te_imported():
             raise RuntimeError("FusedResidualTransformerLayer needs TransformerEngine (attention, GEMMs, SwiGLU)")
         allowed = {
             "normalization": (normalization, NORMALIZATIONS),
