@@ -21,6 +21,7 @@ import torch
 from datamodule import CodonDataModule
 from model_setup import build_model, check_backend, is_pretraining, load_model_config, model_flops
 from omegaconf import DictConfig, OmegaConf
+from packing import with_labeled_token_index
 from perf_logger import PerfLogger, quiet_progress_bars_off_a_terminal
 from quantization import check_quantization_supported
 from recipe_paths import config_name
@@ -61,7 +62,8 @@ def main(cfg: DictConfig) -> None:
     for step in range(1, cfg.num_train_steps + 1):
         step_loss = torch.zeros((), device=device)
         for _ in range(accumulate):
-            batch = {k: v.to(device, non_blocking=True) if torch.is_tensor(v) else v for k, v in next(batches).items()}
+            batch = with_labeled_token_index(next(batches))  # as the LightningModule does, before the copy
+            batch = {k: v.to(device, non_blocking=True) if torch.is_tensor(v) else v for k, v in batch.items()}
             perf.count_batch(batch)
             with autocast:
                 loss = model(**batch, labeled_logits_only=True).loss / accumulate

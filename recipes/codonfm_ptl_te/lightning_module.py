@@ -34,7 +34,7 @@ from model_setup import (
 )
 from modeling_codonfm_te import NVEncodonConfig
 from omegaconf import DictConfig, OmegaConf
-from packing import IGNORE_INDEX
+from packing import IGNORE_INDEX, with_labeled_token_index
 from quantization import check_quantization_supported
 from scheduler import get_linear_schedule_with_warmup
 from torchmetrics import MeanMetric, MeanSquaredError, PearsonCorrCoef
@@ -149,6 +149,11 @@ class EncodonPretrainModule(EncodonModule):
     def __init__(self, cfg: DictConfig):
         super().__init__(cfg)
         self.val_loss = MeanMetric()  # weighted by masked codons: the token mean over the whole validation set
+
+    def on_before_batch_transfer(self, batch: dict, dataloader_idx: int) -> dict:
+        # Where the masked codons sit, found on the CPU before Lightning moves the batch (on the GPU that would cost
+        # a host sync per step): the model runs its head on them only.
+        return with_labeled_token_index(batch)
 
     def training_step(self, batch: dict, batch_idx: int) -> torch.Tensor:
         # The head runs only on the masked codons: the loss is the same, without logits nobody reads.

@@ -57,7 +57,7 @@ try:  # package import (models/codonfm, exported checkpoints)
     from .layer_autocast import LayerAutocast
     from .layer_stack import run_layer_stack
     from .meta_init import materialize_meta_model
-    from .packing import IGNORE_INDEX, PackedBatch, pack_inputs, token_mean_loss
+    from .packing import PackedBatch, head_logits_and_loss, pack_inputs
 except ImportError:  # flat copy inside a recipe folder
     from activation_recompute import refuse_delayed_scaling
     from configuration_codonfm_te import NVEncodonConfig
@@ -65,7 +65,7 @@ except ImportError:  # flat copy inside a recipe folder
     from layer_autocast import LayerAutocast
     from layer_stack import run_layer_stack
     from meta_init import materialize_meta_model
-    from packing import IGNORE_INDEX, PackedBatch, pack_inputs, token_mean_loss
+    from packing import PackedBatch, head_logits_and_loss, pack_inputs
 
 try:
     import transformer_engine.pytorch as te
@@ -291,25 +291,20 @@ class NVEncodonForMaskedLM(NVEncodonPreTrainedModel):
         output_hidden_states: bool | None = None,
         return_dict: bool | None = None,
         labeled_logits_only: bool = False,
+        labeled_token_index: torch.Tensor | None = None,
         **kwargs,
     ) -> MaskedLMOutput:
         """The masked-LM forward. ``labeled_logits_only=True`` (training) runs the head only on the tokens that have a
         label (the ~15% masked codons) and returns their logits as [labeled tokens, vocab], in packed order; the loss
         is the same as with every token's logits, without the head's GEMMs and the float32 softmax on rows the loss
-        never reads."""
+        never reads. ``labeled_token_index`` (``packing.labeled_token_index`` of the CPU batch) names those tokens;
+        without it the forward finds them on the GPU, with one host sync."""
         packed = self.encodon.pack(input_ids, attention_mask, cu_seq_lens_q, cu_seq_lens_k, max_length_q)
         hidden, all_hidden = self.encodon.forward_packed(packed, bool(output_hidden_states))
         targets = None if labels is None else packed.pack_like(labels)
-        if labeled_logits_only:
-            if targets is None:
-                raise ValueError("labeled_logits_only=True needs labels: they say which tokens get logits")
-            labeled = (targets != IGNORE_INDEX).nonzero().squeeze(1)  # one host sync: the row count sets the shape
-            logits = self.lm_head(hidden.index_select(0, labeled))
-            loss = token_mean_loss(logits, targets.index_select(0, labeled))
-        else:
-            logits = self.lm_head(hidden)
-            loss = None if targets is None else token_mean_loss(logits, targets)
-            logits = packed.unpack(logits)
+        logits, loss = head_logits_and_loss(
+            self.lm_head, hidden, targets, packed, labeled_logits_only, labeled_token_index
+        )
         return MaskedLMOutput(
             loss=loss,
             logits=logits,

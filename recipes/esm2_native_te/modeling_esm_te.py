@@ -36,7 +36,7 @@ try:  # package import (models/esm2, exported checkpoints)
     from .layer_stack import run_layer_stack
     from .meta_init import materialize_meta_model
     from .packed_rope import PackedQKVRotary, layers_rotary_pos_emb
-    from .packing import PackedBatch, pack_inputs, token_mean_loss
+    from .packing import PackedBatch, head_logits_and_loss, pack_inputs
     from .te_attention import call_cudnn_directly, split_packed_qkv
     from .torch_layers import TransformerLayer as TorchTransformerLayer
     from .torch_layers import is_torch_twin
@@ -48,7 +48,7 @@ except ImportError:  # flat copy inside a recipe folder
     from layer_stack import run_layer_stack
     from meta_init import materialize_meta_model
     from packed_rope import PackedQKVRotary, layers_rotary_pos_emb
-    from packing import PackedBatch, pack_inputs, token_mean_loss
+    from packing import PackedBatch, head_logits_and_loss, pack_inputs
     from te_attention import call_cudnn_directly, split_packed_qkv
     from torch_layers import TransformerLayer as TorchTransformerLayer
     from torch_layers import is_torch_twin
@@ -484,17 +484,25 @@ class _NVEsmPerTokenModel(NVEsmPreTrainedModel):
         cu_seq_lens_k_padded: torch.Tensor | None = None,
         output_hidden_states: bool | None = None,
         return_dict: bool | None = None,
+        labeled_logits_only: bool = False,
+        labeled_token_index: torch.Tensor | None = None,
         **kwargs,
     ):
+        """``labeled_logits_only=True`` (the training loops) runs the head only on the tokens that have a label and
+        returns their logits as [labelled tokens, classes] in packed order; the loss is the same
+        (``packing.head_logits_and_loss``). ``labeled_token_index`` (``packing.labeled_token_index`` of the CPU
+        batch) names those tokens; without it the forward finds them on the GPU, with one host sync."""
         packed = self.esm.pack(
             input_ids, attention_mask, cu_seq_lens_q, cu_seq_lens_k, max_length_q, cu_seq_lens_q_padded
         )
         hidden, all_hidden = self.esm.forward_packed(packed, bool(output_hidden_states))
-        logits = self.head(hidden)
-        loss = None if labels is None else token_mean_loss(logits, packed.pack_like(labels), packed.cp_group)
+        targets = None if labels is None else packed.pack_like(labels)
+        logits, loss = head_logits_and_loss(
+            self.head, hidden, targets, packed, labeled_logits_only, labeled_token_index
+        )
         return self.output_class(
             loss=loss,
-            logits=packed.unpack(logits),
+            logits=logits,
             hidden_states=tuple(packed.unpack(h) for h in all_hidden) if all_hidden else None,
         )
 

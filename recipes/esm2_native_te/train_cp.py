@@ -24,6 +24,7 @@ from grad_accumulation import count_targets, token_weights
 from model_families import load_tokenizer
 from model_setup import build_model, build_optimizer
 from omegaconf import DictConfig, OmegaConf
+from packing import with_labeled_token_index
 from perf_logger import PerfLogger, Profiler, quiet_progress_bars_off_a_terminal
 from quant_stats import QuantStats
 from recipe_paths import config_name
@@ -82,6 +83,7 @@ def main(cfg: DictConfig) -> None:
         wandb_mode=cfg.wandb.mode,
         cp_size=cfg.cp_size,
         cp_rank=cp_rank or 0,
+        forward_kwargs={"labeled_logits_only": True},  # the MLM head on the masked tokens only, as in training
     )
 
     checkpointer = Checkpointer(
@@ -111,12 +113,14 @@ def main(cfg: DictConfig) -> None:
             weights = token_weights([count_targets(batch, causal_lm=False) for batch in micro_batches])
             for micro_step, full_batch in enumerate(micro_batches):
                 batch = full_batch if cp_rank is None else shard_for_context_parallel(full_batch, cp_rank, cfg.cp_size)
-                batch = move_to_device(batch, device)
+                # The model runs its MLM head on the masked tokens only; they are found here, on the CPU (on the GPU
+                # that would cost a host sync per micro-batch).
+                batch = move_to_device(with_labeled_token_index(batch), device)
                 perf.count_batch(batch)
                 # A CP shard may hold few or no labels, so the model reduces the loss over the CP group: its value is
                 # the group's mean, its gradient scaled by cp_size to survive FSDP's average over dp x cp ranks.
                 with built.gradient_sync(micro_step == cfg.grad_acc_steps - 1):
-                    loss = built.train_model(**batch).loss * weights[micro_step]
+                    loss = built.train_model(**batch, labeled_logits_only=True).loss * weights[micro_step]
                     loss.backward()
                 step_loss += loss.detach()
 

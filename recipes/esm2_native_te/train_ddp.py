@@ -21,6 +21,7 @@ from mixed_precision import computes_in_bf16
 from model_families import load_tokenizer
 from model_setup import build_model, build_optimizer
 from omegaconf import DictConfig, OmegaConf
+from packing import with_labeled_token_index
 from perf_logger import PerfLogger, Profiler, quiet_progress_bars_off_a_terminal
 from quant_stats import QuantStats
 from recipe_paths import config_name
@@ -74,6 +75,7 @@ def main(cfg: DictConfig) -> None:
         output_dir=cfg.output_dir,
         wandb_mode=cfg.wandb.mode,
         autocast_bf16=use_bf16,
+        forward_kwargs={"labeled_logits_only": True},  # the MLM head on the masked tokens only, as in training
     )
 
     # Resume from the newest complete checkpoint (model, optimizer, schedule, data position, RNG).
@@ -96,12 +98,14 @@ def main(cfg: DictConfig) -> None:
             micro_batches = [next(batches) for _ in range(cfg.grad_acc_steps)]
             weights = token_weights([count_targets(batch, causal_lm=False) for batch in micro_batches])
             for micro_step, batch in enumerate(micro_batches):
-                batch = move_to_device(batch, device)
+                # The model runs its MLM head on the masked tokens only; they are found here, on the CPU (on the GPU
+                # that would cost a host sync per micro-batch).
+                batch = move_to_device(with_labeled_token_index(batch), device)
                 perf.count_batch(batch)
                 # Gradients are all-reduced only on the last micro-batch; earlier ones accumulate locally.
                 with built.gradient_sync(micro_step == cfg.grad_acc_steps - 1):
                     with torch.autocast(device.type, dtype=torch.bfloat16, enabled=use_bf16):
-                        loss = built.train_model(**batch).loss * weights[micro_step]
+                        loss = built.train_model(**batch, labeled_logits_only=True).loss * weights[micro_step]
                     loss.backward()
                 step_loss += loss.detach()
 

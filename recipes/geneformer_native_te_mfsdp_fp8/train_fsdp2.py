@@ -20,6 +20,7 @@ from distributed import build_meshes, cleanup_distributed, move_to_device, setup
 from grad_accumulation import count_targets, token_weights
 from model_setup import build_model
 from omegaconf import DictConfig, OmegaConf
+from packing import with_labeled_token_index
 from perf_logger import PerfLogger, Profiler, quiet_progress_bars_off_a_terminal
 from recipe_paths import config_name
 from scheduler import get_linear_schedule_with_warmup
@@ -88,7 +89,9 @@ def main(cfg: DictConfig) -> None:
             micro_batches = [next(batches) for _ in range(cfg.grad_acc_steps)]
             weights = token_weights([count_targets(batch, causal_lm=False) for batch in micro_batches])
             for micro_step, batch in enumerate(micro_batches):
-                batch = move_to_device(batch, device)
+                # The model runs its MLM head on the masked genes only; they are found here, on the CPU (on the GPU
+                # that would cost a host sync per micro-batch).
+                batch = move_to_device(with_labeled_token_index(batch), device)
                 perf.count_batch(batch)
                 # Reduce-scatter gradients only after the last micro-batch; earlier ones accumulate unsharded.
                 with built.gradient_sync(micro_step == cfg.grad_acc_steps - 1):

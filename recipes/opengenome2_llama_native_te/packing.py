@@ -12,7 +12,8 @@
   ``cu_seq_lens_q_padded`` (see ``_pack_context_parallel``), once the model has a CP group.
 
 Checks that look at tensor values use ``torch._assert_async`` on CUDA, so validation costs no host-device sync.
-``token_mean_loss`` is the loss every head uses: the mean over labelled tokens, reduced over a CP group if any.
+``token_mean_loss`` is the loss every head uses: the mean over labelled tokens, reduced over a CP group if any;
+``head_logits_and_loss`` runs a per-token head on every token, or on the labelled ones only (training).
 
 This file travels with the modeling files (recipes carry copies, exports ship it beside them).
 """
@@ -273,3 +274,62 @@ def token_mean_loss(logits: torch.Tensor, targets: torch.Tensor, cp_group=None) 
     cp_size = torch.distributed.get_world_size(cp_group)
     local = loss_sum * cp_size / totals[1].clamp(min=1)
     return local - local.detach() + totals[0] / totals[1].clamp(min=1)
+
+
+def labeled_token_index(labels: torch.Tensor, attention_mask: torch.Tensor | None = None) -> torch.Tensor:
+    """[labelled tokens] int64: where the tokens that carry a label sit in the packed order the model uses
+    (``PackedBatch.pack_like``: BSHD drops the masked-out positions, THD keeps its order), i.e. the rows
+    ``labeled_logits_only`` runs the head on. Training loops compute it from the CPU batch and pass it as the
+    forward's ``labeled_token_index``: found on the GPU instead, the count costs a host sync, which drains the GPU's
+    queue once per micro-batch. Pinned when ``labels`` is, so that its copy to the GPU is asynchronous too."""
+    flat = labels.reshape(-1)
+    if attention_mask is not None:
+        flat = flat[attention_mask.reshape(-1).bool()]
+    index = (flat != IGNORE_INDEX).nonzero().squeeze(1)
+    return index.pin_memory() if labels.is_pinned() else index
+
+
+def with_labeled_token_index(batch: dict) -> dict:
+    """A CPU batch of model inputs (with ``labels``) plus its ``labeled_token_index``, for a training step that
+    calls the model with ``labeled_logits_only=True``."""
+    return {**batch, "labeled_token_index": labeled_token_index(batch["labels"], batch.get("attention_mask"))}
+
+
+def head_logits_and_loss(
+    head,
+    hidden: torch.Tensor,
+    targets: torch.Tensor | None,
+    packed: PackedBatch,
+    labeled_only: bool,
+    labeled_index: torch.Tensor | None = None,
+):
+    """``(logits, loss)`` of a per-token head (an MLM decoder, a token classifier) over the encoder's packed output.
+
+    ``labeled_only=False``: every token's logits, in the caller's layout (``packed.unpack``), and the loss when there
+    are targets. ``labeled_only=True`` (the training loops' ``labeled_logits_only``): the head runs only on the tokens
+    that have a label (the ~15% a masked LM scores) and the logits come back as [labelled tokens, vocab] in packed
+    order; the loss is the same, without the head's GEMMs and the float32 softmax on rows the loss never reads.
+    ``labeled_index`` (``labeled_token_index`` of the batch, computed by the caller on the CPU) says which rows those
+    are; without it they are found on the device, at the cost of a host sync.
+    """
+    if not labeled_only:
+        if labeled_index is not None:
+            raise ValueError("labeled_token_index is for labeled_logits_only=True")
+        logits = head(hidden)
+        loss = None if targets is None else token_mean_loss(logits, targets, packed.cp_group)
+        return packed.unpack(logits), loss
+    if targets is None:
+        raise ValueError("labeled_logits_only=True needs labels: they say which tokens get logits")
+    is_labeled = targets != IGNORE_INDEX
+    if labeled_index is None:
+        labeled_index = is_labeled.nonzero().squeeze(1)  # a host sync: the row count sets the shape
+    else:
+        labeled_index = labeled_index.reshape(-1).to(targets.device, torch.long)
+        check(
+            (labeled_index.numel() == is_labeled.sum())
+            & is_labeled[labeled_index].all()
+            & (labeled_index[1:] > labeled_index[:-1]).all(),
+            "labeled_token_index must list the labelled tokens in packed order (packing.labeled_token_index)",
+        )
+    logits = head(hidden.index_select(0, labeled_index))
+    return logits, token_mean_loss(logits, targets.index_select(0, labeled_index), packed.cp_group)

@@ -79,34 +79,6 @@ def test_rotary_table_stays_float32_in_a_bf16_model(reference_tiny):
     assert torch.isfinite(nv_model(**make_batch([30, 12])).loss)
 
 
-@pytest.mark.parametrize("layout", ["bshd", "thd"])
-def test_labeled_logits_only_gives_the_same_loss_gradients_and_logits(reference_tiny, layout):
-    """The training path (LM head on the masked codons only) is the full head, read at the labelled rows."""
-    batch = make_batch([30, 18, 7], seed=3)
-    inputs = batch if layout == "bshd" else pack(batch)
-    full_model = reference_to_nv(reference_tiny, backend="torch")
-    labeled_model = reference_to_nv(reference_tiny, backend="torch")
-    full = full_model(**inputs)
-    labeled = labeled_model(**inputs, labeled_logits_only=True)
-    full.loss.backward()
-    labeled.loss.backward()
-    labels = inputs["labels"].reshape(-1)
-    full_logits = full.logits.reshape(labels.numel(), -1)
-    assert labeled.logits.shape == (int((labels != -100).sum()), 69)
-    torch.testing.assert_close(labeled.logits, full_logits[labels != -100], rtol=0, atol=1e-5)
-    torch.testing.assert_close(labeled.loss, full.loss, rtol=0, atol=1e-6)
-    full_grads = dict(full_model.named_parameters())
-    for name, param in labeled_model.named_parameters():
-        torch.testing.assert_close(param.grad, full_grads[name].grad, rtol=1e-5, atol=1e-7, msg=name)
-
-
-def test_labeled_logits_only_without_labels_is_refused(reference_tiny):
-    batch = make_batch([12])
-    del batch["labels"]
-    with pytest.raises(ValueError, match="labeled_logits_only=True needs labels"):
-        reference_to_nv(reference_tiny, backend="torch")(**batch, labeled_logits_only=True)
-
-
 # ---------------------------------------------------------------------------------------- sequence classification
 
 

@@ -36,7 +36,7 @@ try:  # package import (models/geneformer, exported checkpoints)
     from .layer_autocast import LayerAutocast
     from .layer_stack import run_layer_stack
     from .meta_init import materialize_meta_model
-    from .packing import IGNORE_INDEX, PackedBatch, pack_inputs, token_mean_loss
+    from .packing import PackedBatch, head_logits_and_loss, pack_inputs
     from .te_attention import split_packed_qkv
     from .torch_layers import TransformerLayer as TorchTransformerLayer
     from .torch_layers import is_torch_twin
@@ -46,7 +46,7 @@ except ImportError:  # flat copy inside a recipe folder
     from layer_autocast import LayerAutocast
     from layer_stack import run_layer_stack
     from meta_init import materialize_meta_model
-    from packing import IGNORE_INDEX, PackedBatch, pack_inputs, token_mean_loss
+    from packing import PackedBatch, head_logits_and_loss, pack_inputs
     from te_attention import split_packed_qkv
     from torch_layers import TransformerLayer as TorchTransformerLayer
     from torch_layers import is_torch_twin
@@ -346,26 +346,21 @@ class NVGeneformerForMaskedLM(NVGeneformerPreTrainedModel):
         output_hidden_states: bool | None = None,
         return_dict: bool | None = None,
         labeled_logits_only: bool = False,
+        labeled_token_index: torch.Tensor | None = None,
         **kwargs,
     ) -> MaskedLMOutput:
         """BERT's masked-LM forward. ``labeled_logits_only=True`` (training) runs the LM head only on the tokens
         that have a label (the ~15% masked genes) and returns their logits as [labeled tokens, vocab], in packed
         order; the loss is the same as with every token's logits. At 25k genes the head over all tokens (the GEMM, the
         float32 logits and their softmax) took 17 of 120 ms of a 106M forward+backward on an H100, for rows the loss
-        never reads."""
+        never reads. ``labeled_token_index`` (``packing.labeled_token_index`` of the CPU batch) names those tokens;
+        without it the forward finds them on the GPU, with one host sync."""
         packed = self.bert.pack(input_ids, attention_mask, cu_seq_lens_q, cu_seq_lens_k, max_length_q)
         hidden, all_hidden = self.bert.forward_packed(packed, token_type_ids, bool(output_hidden_states))
         targets = None if labels is None else packed.pack_like(labels)
-        if labeled_logits_only:
-            if targets is None:
-                raise ValueError("labeled_logits_only=True needs labels: they say which tokens get logits")
-            labeled = (targets != IGNORE_INDEX).nonzero().squeeze(1)  # one host sync: the row count sets the shape
-            logits = self.lm_head(hidden.index_select(0, labeled))
-            loss = token_mean_loss(logits, targets.index_select(0, labeled))
-        else:
-            logits = self.lm_head(hidden)
-            loss = None if targets is None else token_mean_loss(logits, targets)
-            logits = packed.unpack(logits)
+        logits, loss = head_logits_and_loss(
+            self.lm_head, hidden, targets, packed, labeled_logits_only, labeled_token_index
+        )
         return MaskedLMOutput(
             loss=loss,
             logits=logits,

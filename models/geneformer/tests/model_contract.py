@@ -116,6 +116,11 @@ def scored_tokens(labels: torch.Tensor, causal_lm: bool) -> int:
     return int((labels[..., 1:] if causal_lm else labels).ne(-100).sum())
 
 
+def packing_module(contract: ModelContract):
+    """The model package's copy of packing.py (``labeled_token_index`` and friends)."""
+    return importlib.import_module(contract.nv_class.__module__.rpartition(".")[0] + ".packing")
+
+
 def layout(contract: ModelContract, lengths: list[int], name: str, seed: int = 0) -> Batch:
     """``bshd-right``, ``bshd-left`` or ``thd`` (packed from a right-padded batch)."""
     side = "left" if name == "bshd-left" else "right"
@@ -286,6 +291,68 @@ def test_loss_without_labelled_tokens_is_zero_not_nan(contract):
     batch = contract.make_batch([10])
     loss = nv_model(**{**batch, "labels": torch.full_like(batch["labels"], -100)}).loss
     assert loss.item() == 0.0
+
+
+@pytest.mark.parametrize("layout_name", ["bshd-right", "thd"])
+def test_labeled_logits_only_gives_the_same_loss_gradients_and_logits(contract, layout_name):
+    """The training loops' ``labeled_logits_only=True`` (the head on the labelled tokens only) is the full head read
+    at the labelled rows: the same logits there, loss and gradients. Masked LMs only (a causal LM scores every
+    token)."""
+    if contract.causal_lm:
+        pytest.skip("a causal LM scores every token: its forward has no labeled_logits_only")
+    batch = layout(contract, [30, 18, 7], layout_name, seed=3)
+    full_model, labeled_model, indexed_model = torch_model(contract), torch_model(contract), torch_model(contract)
+    full = full_model(**batch)
+    labeled = labeled_model(**batch, labeled_logits_only=True)
+    # The training loops' way: the labelled rows found on the CPU batch, no search on the device.
+    index = packing_module(contract).labeled_token_index(batch["labels"], batch.get("attention_mask"))
+    indexed = indexed_model(**batch, labeled_logits_only=True, labeled_token_index=index)
+    for output in (full, labeled, indexed):
+        output.loss.backward()
+
+    labels = batch["labels"].reshape(-1)
+    full_logits = full.logits.reshape(labels.numel(), -1)
+    assert labeled.logits.shape == (int((labels != -100).sum()), full_logits.shape[-1])
+    torch.testing.assert_close(labeled.logits, full_logits[labels != -100], rtol=0, atol=1e-5)
+    torch.testing.assert_close(labeled.loss, full.loss, rtol=0, atol=1e-6)
+    assert torch.equal(indexed.logits, labeled.logits) and torch.equal(indexed.loss, labeled.loss)
+    full_grads = dict(full_model.named_parameters())
+    indexed_grads = dict(indexed_model.named_parameters())
+    for name, param in labeled_model.named_parameters():
+        torch.testing.assert_close(param.grad, full_grads[name].grad, rtol=1e-5, atol=1e-7, msg=name)
+        assert torch.equal(param.grad, indexed_grads[name].grad), name
+
+
+def test_labeled_logits_only_without_labels_is_refused(contract):
+    if contract.causal_lm:
+        pytest.skip("a causal LM scores every token: its forward has no labeled_logits_only")
+    batch = contract.make_batch([12])
+    del batch["labels"]
+    with pytest.raises(ValueError, match="labeled_logits_only=True needs labels"):
+        torch_model(contract)(**batch, labeled_logits_only=True)
+
+
+def test_a_wrong_labeled_token_index_is_refused(contract):
+    """An index that does not list exactly the labelled tokens, in packed order, would score the wrong rows."""
+    if contract.causal_lm:
+        pytest.skip("a causal LM scores every token: its forward has no labeled_logits_only")
+    batch = pack(contract.make_batch([20, 9], seed=1))
+    model = torch_model(contract)
+    index = packing_module(contract).labeled_token_index(batch["labels"])
+    unlabeled = (batch["labels"].reshape(-1) == -100).nonzero()[0]
+    wrong = {
+        "shifted": index + 1,
+        "one missing": index[1:],
+        "one twice": torch.cat([index[:1], index[:-1]]),
+        "out of order": index.flip(0),
+        "an unlabelled row": torch.cat([index[:-1], unlabeled]).sort().values,
+    }
+    for name, bad in wrong.items():
+        with pytest.raises((ValueError, IndexError)):
+            model(**batch, labeled_logits_only=True, labeled_token_index=bad)
+            pytest.fail(f"{name}: accepted")
+    with pytest.raises(ValueError, match="labeled_token_index is for labeled_logits_only=True"):
+        model(**batch, labeled_token_index=index)
 
 
 # --------------------------------------------------------------------------------------------------- meta init
