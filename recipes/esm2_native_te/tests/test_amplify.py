@@ -27,6 +27,7 @@ from test_train import (
     assert_export_reproduces_checkpoint,
     assert_validation_is_the_exports_held_out_loss,
     read_metrics,
+    restart_with_recompute,
     train,
 )
 from transformers import AutoTokenizer, EsmConfig
@@ -74,40 +75,50 @@ def test_the_shipped_l0_sanity_amplify_config_learns_and_exports(tmp_path):
     assert_export_reproduces_checkpoint(tmp_path, step=150)
 
 
+# FSDP2 on packed sequences learns inside the stop-and-go test below.
 @pytest.mark.parametrize(
-    ("script", "nproc", "input_format"),
+    ("script", "input_format"),
     [
-        ("train_ddp.py", 2, "bshd"),
-        ("train_fsdp2.py", 2, "thd"),
-        ("train_cp.py", 2, "thd"),  # cp_size=2 (torch backend: all-gathered attention)
+        ("train_ddp.py", "bshd"),
+        ("train_cp.py", "thd"),  # cp_size=2 (torch backend: all-gathered attention)
     ],
 )
-def test_every_cpu_entrypoint_trains_amplify(tmp_path, script, nproc, input_format):
-    """... and validates every 40 steps (AMPLIFY's tokenizer), equal to one process scoring the export."""
+def test_every_cpu_entrypoint_trains_amplify(tmp_path, script, input_format):
+    """... on two processes, and validates every 40 steps (AMPLIFY's tokenizer), equal to one process scoring the
+    export."""
     cp_size = 2 if script == "train_cp.py" else 1
     extra = [f"cp_size={cp_size}"] if cp_size > 1 else []
     metrics = train(
         script, tmp_path, AMPLIFY, *CONVERGE, *VALIDATE, f"dataset.input_format={input_format}", "dataset.num_workers=0",
-        *extra, nproc=nproc,
+        *extra, nproc=2,
     )  # fmt: skip
+    assert_amplify_learned_and_exported(tmp_path, metrics, input_format, cp_size)
+
+
+def assert_amplify_learned_and_exported(output_dir, metrics: list[dict], input_format: str, cp_size: int = 1) -> None:
     assert_converged(metrics, steps=80, initial_loss_above=LOSS_THRESHOLD)
-    export_dir = tmp_path / "final_model"
+    export_dir = output_dir / "final_model"
     assert json.loads((export_dir / "config.json").read_text())["architectures"] == ["NVAmplifyForMaskedLM"]
     assert len(AutoTokenizer.from_pretrained(export_dir)) == 27  # the AMPLIFY vocabulary went with the export
-    assert_export_reproduces_checkpoint(tmp_path, step=80)
+    assert_export_reproduces_checkpoint(output_dir, step=80)
     assert_validation_is_the_exports_held_out_loss(
-        tmp_path, [40, 80], FAST_BATCHING, input_format, cp_size=cp_size, tokenizer_dir="tokenizer_amplify"
+        output_dir, [40, 80], FAST_BATCHING, input_format, cp_size=cp_size, tokenizer_dir="tokenizer_amplify"
     )
 
 
 def test_amplify_stop_and_go_matches_uninterrupted_run(tmp_path):
-    """FSDP2 shards AMPLIFY's own module tree; 40 + resume + 40 steps equal 80 in one go, bit for bit."""
-    common = [AMPLIFY, *CONVERGE, "logger.log_every=1", "dataset.input_format=thd", "dataset.num_workers=0"]
+    """FSDP2 shards AMPLIFY's own module tree on packed sequences: 80 steps in one go (saving and validating at step
+    40) learn, validate and export as above; a restart from the step-40 checkpoint, recomputing both layers'
+    activations in backward, logs the same losses and gradient norms, bit for bit (as test_train.py's stop-and-go)."""
+    common = [AMPLIFY, *CONVERGE, *VALIDATE, "logger.log_every=1", "checkpoint.save_every=40"]
+    common += ["dataset.input_format=thd", "dataset.num_workers=0"]
     full = train("train_fsdp2.py", tmp_path / "full", *common, nproc=2)
-    train("train_fsdp2.py", tmp_path / "resumed", *common, "num_train_steps=40", nproc=2)
-    resumed = train("train_fsdp2.py", tmp_path / "resumed", *common, nproc=2)
-    assert [m["loss"] for m in resumed] == [m["loss"] for m in full]
-    assert [m["grad_norm"] for m in resumed] == [m["grad_norm"] for m in full]
+    assert_amplify_learned_and_exported(tmp_path / "full", full, "thd")
+
+    resumed = restart_with_recompute("train_fsdp2.py", tmp_path / "full", 40, tmp_path / "restarted", *common)
+    assert [m["step"] for m in resumed] == list(range(41, 81))
+    assert [m["loss"] for m in resumed] == [m["loss"] for m in full[40:]]
+    assert [m["grad_norm"] for m in resumed] == [m["grad_norm"] for m in full[40:]]
 
 
 # ------------------------------------------------------------------------------------------- published checkpoints
