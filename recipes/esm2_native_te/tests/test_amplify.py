@@ -160,7 +160,10 @@ def test_finetune_from_a_published_checkpoint_keeps_its_weights(tmp_path, publis
     )  # fmt: skip
     assert_export_holds(first, expected, "NVAmplifyForMaskedLM")
 
-    # ... and the export is a model_tag in its turn (an NVAmplify directory, not the published layout).
+    # ... and the export is a model_tag in its turn (an NVAmplify directory, not the published layout). Once: reading
+    # an export differs from reading the published checkpoint in the family's reader, not in the strategy's sharding.
+    if script != "train_ddp.py":
+        return
     second = tmp_path / "from_export"
     run_script(
         script, f"output_dir={second}", f"model_tag={first / 'final_model'}", "init_from_pretrained=true", *FAST,

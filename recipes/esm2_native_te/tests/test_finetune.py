@@ -24,6 +24,9 @@ def test_finetune_from_stock_checkpoint_keeps_its_weights(tmp_path, stock_checkp
     assert_export_holds(tmp_path, expected, "NVEsmForMaskedLM")
 
     # ... and the NVEsm export is a model_tag in its turn (our own layout, not the stock one): same weights again.
+    # Once: reading an export differs from reading the stock checkpoint in the family's reader, not in the sharding.
+    if script != "train_ddp.py":
+        return
     again = tmp_path / "from_export"
     run_script(
         script, f"output_dir={again}", f"model_tag={tmp_path / 'final_model'}", "init_from_pretrained=true", *FAST,
