@@ -101,6 +101,13 @@ def _cast(tensor: torch.Tensor | None, dtype: torch.dtype) -> torch.Tensor | Non
     return None if tensor is None else tensor.to(dtype)
 
 
+def _compute_copy(param: torch.Tensor | None, dtype: torch.dtype) -> torch.Tensor | None:
+    """A parameter in the compute dtype, inside a Function's forward (where autograd records no cast: the Function's
+    backward returns the parameter's gradient in the parameter's own dtype). In that dtype already, the parameter
+    itself (FSDP2 and Megatron-FSDP hand over their bf16 compute copies)."""
+    return None if param is None else param.to(dtype)
+
+
 class _SwiGLU(torch.autograd.Function):
     """TE's SwiGLU kernels (``silu(first half) * second half``, as ``te.LayerNormMLP`` runs them)."""
 
@@ -115,32 +122,53 @@ class _SwiGLU(torch.autograd.Function):
         return tex.dswiglu(grad.contiguous(), x, None)
 
 
-def _weight_and_bias_grad(inputs: torch.Tensor, grad: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None):
-    """``(grad.T @ inputs, grad.sum(0))`` for a linear layer ``inputs @ weight.T + bias`` (rows: tokens).
+def _weight_and_bias_grad(
+    inputs: torch.Tensor,
+    grad: torch.Tensor,
+    bias: torch.Tensor | None,
+    weight_dtype: torch.dtype,
+    bias_dtype: torch.dtype | None,
+):
+    """``(grad.T @ inputs, grad.sum(0))`` for a linear layer ``inputs @ weight.T + bias`` (rows: tokens), in the
+    parameters' dtypes ``weight_dtype`` and ``bias_dtype``; ``bias`` is the compute-dtype bias of the forward.
+
+    The weight-gradient GEMM writes the parameter's dtype itself: for fp32 master weights (bf16 compute under
+    autocast) a float32 output, as TE's ``te.Linear`` writes into its fp32 ``main_grad``. A bf16 output cast to
+    float32 afterwards took a rounding and a cast kernel per weight (3 ms of ESM-2 650M's step on one H200).
 
     cuBLAS can sum the bias gradient inside the weight-gradient GEMM (the BGRADB epilogue; TE's ``te.Linear`` uses it).
     Where the output is wider than the input (QKV, fc1) that made the GEMM slower by more than a separate column sum
     of the gradient takes (one H200, ESM-2 650M at 49,152 tokens: fc1 +0.20 ms against a 0.14 ms sum, QKV +0.16
     against 0.11; 3B at 16,384 tokens: fc1 +0.32 against 0.10; docs/benchmarks.md), so those sum it apart, in float32
-    as the epilogue does. For proj and fc2 the epilogue costs less than the sum and stays.
+    as the epilogue does. For proj and fc2 the epilogue costs less than the sum and stays; it writes the bias
+    gradient in the compute dtype (as for TE's fp32 ``main_grad``), cast here where the bias is float32.
     """
     if bias is not None and grad.shape[-1] > inputs.shape[-1]:
-        dw, *_ = general_gemm(inputs, grad, out_dtype=weight.dtype, layout="NT", grad=True)
-        return dw, grad.sum(0, dtype=torch.float32).to(bias.dtype)
-    dw, db, *_ = general_gemm(inputs, grad, out_dtype=weight.dtype, layout="NT", bias=bias, grad=True)
-    return dw, db
+        dw, *_ = general_gemm(inputs, grad, out_dtype=weight_dtype, layout="NT", grad=True)
+        return dw, grad.sum(0, dtype=torch.float32).to(bias_dtype)
+    dw, db, *_ = general_gemm(inputs, grad, out_dtype=weight_dtype, layout="NT", bias=bias, grad=True)
+    return dw, None if bias is None else db.to(bias_dtype)
+
+
+def _dtype(param: torch.Tensor | None) -> torch.dtype | None:
+    return None if param is None else param.dtype
 
 
 class _LinearWithBias(torch.autograd.Function):
     """``x @ weight.T + bias`` with the bias in the GEMM's epilogue and its gradient by ``_weight_and_bias_grad``
-    (``general_gemm``'s layouts: "TN" forward, "NN" data gradient, "NT" weight gradient, as ``te.Linear``)."""
+    (``general_gemm``'s layouts: "TN" forward, "NN" data gradient, "NT" weight gradient, as ``te.Linear``). The
+    parameters come as held (fp32 master weights, or already in ``x``'s dtype) and are cast to ``x``'s dtype here;
+    their gradients are returned in their own dtypes."""
 
     @staticmethod
     def forward(ctx, x, weight, bias):
         rows = _rows(x)
-        out, *_ = general_gemm(weight, rows, out_dtype=x.dtype, bias=bias)
-        ctx.save_for_backward(rows, weight, bias)  # the bias only sets the shape and dtype of its gradient
+        compute_weight, compute_bias = _compute_copy(weight, x.dtype), _compute_copy(bias, x.dtype)
+        out, *_ = general_gemm(compute_weight, rows, out_dtype=x.dtype, bias=compute_bias)
+        # The bias only sets the shape and dtype of its gradient.
+        ctx.save_for_backward(rows, compute_weight, compute_bias)
         ctx.input_shape = x.shape
+        ctx.param_dtypes = (weight.dtype, _dtype(bias))
         return out.view(*x.shape[:-1], out.shape[-1])
 
     @staticmethod
@@ -148,7 +176,7 @@ class _LinearWithBias(torch.autograd.Function):
         rows, weight, bias = ctx.saved_tensors
         grad = _rows(grad).contiguous()
         dx, *_ = general_gemm(weight, grad, out_dtype=rows.dtype, layout="NN", grad=True)
-        dw, db = _weight_and_bias_grad(rows, grad, weight, bias)
+        dw, db = _weight_and_bias_grad(rows, grad, bias, *ctx.param_dtypes)
         return dx.view(ctx.input_shape), dw, db
 
 
@@ -156,34 +184,39 @@ class _GeluMLP(torch.autograd.Function):
     """``fc2(gelu(fc1(x)))`` in two GEMMs: fc1's bias and GELU (tanh) in fc1's epilogue, which also writes the
     pre-activation for the backward; fc2's bias in fc2's. Backward: dGELU in fc2's data-gradient epilogue, fc2's bias
     gradient in its weight-gradient epilogue and fc1's in a column sum (``_weight_and_bias_grad``; ``te.LayerNormMLP``
-    in bf16 with ``bias_gelu_nvfusion`` off sums both in the epilogues). The biases may be None."""
+    in bf16 with ``bias_gelu_nvfusion`` off sums both in the epilogues). The biases may be None. Parameters as in
+    ``_LinearWithBias``: cast to ``x``'s dtype here, gradients in their own dtypes."""
 
     @staticmethod
     def forward(ctx, x, fc1_weight, fc1_bias, fc2_weight, fc2_bias):
         rows = _rows(x)
-        activated, _, pre_activation, _ = general_gemm(fc1_weight, rows, out_dtype=x.dtype, bias=fc1_bias, gelu=True)
-        out, *_ = general_gemm(fc2_weight, activated, out_dtype=x.dtype, bias=fc2_bias)
-        ctx.save_for_backward(rows, fc1_weight, fc1_bias, pre_activation, activated, fc2_weight, fc2_bias)
+        params = (fc1_weight, fc1_bias, fc2_weight, fc2_bias)
+        fc1_w, fc1_b, fc2_w, fc2_b = (_compute_copy(param, x.dtype) for param in params)
+        activated, _, pre_activation, _ = general_gemm(fc1_w, rows, out_dtype=x.dtype, bias=fc1_b, gelu=True)
+        out, *_ = general_gemm(fc2_w, activated, out_dtype=x.dtype, bias=fc2_b)
+        ctx.save_for_backward(rows, fc1_w, fc1_b, pre_activation, activated, fc2_w, fc2_b)
         ctx.input_shape = x.shape
+        ctx.param_dtypes = tuple(_dtype(param) for param in params)
         return out.view(x.shape)
 
     @staticmethod
     def backward(ctx, grad):
         rows, fc1_weight, fc1_bias, pre_activation, activated, fc2_weight, fc2_bias = ctx.saved_tensors
+        fc1_weight_dtype, fc1_bias_dtype, fc2_weight_dtype, fc2_bias_dtype = ctx.param_dtypes
         grad = _rows(grad).contiguous()
         d_pre_activation, *_ = general_gemm(
             fc2_weight, grad, out_dtype=rows.dtype, layout="NN", grad=True, gelu=True, gelu_in=pre_activation
         )
-        fc2_dw, fc2_db = _weight_and_bias_grad(activated, grad, fc2_weight, fc2_bias)
+        fc2_dw, fc2_db = _weight_and_bias_grad(activated, grad, fc2_bias, fc2_weight_dtype, fc2_bias_dtype)
         dx, *_ = general_gemm(fc1_weight, d_pre_activation, out_dtype=rows.dtype, layout="NN", grad=True)
-        fc1_dw, fc1_db = _weight_and_bias_grad(rows, d_pre_activation, fc1_weight, fc1_bias)
+        fc1_dw, fc1_db = _weight_and_bias_grad(rows, d_pre_activation, fc1_bias, fc1_weight_dtype, fc1_bias_dtype)
         return dx.view(ctx.input_shape), fc1_dw, fc1_db, fc2_dw, fc2_db
 
 
 def _linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
     if bias is None:
         return F.linear(x, weight)
-    return _LinearWithBias.apply(x, _cast(weight, x.dtype), _cast(bias, x.dtype))
+    return _LinearWithBias.apply(x, weight, bias)
 
 
 def _fp8_enabled() -> bool:
@@ -311,10 +344,8 @@ class AddNormMLP(_TELayerNormMLP):
         if _fp8_enabled():
             return self._fp8_forward(attention_out, residual, fc1_bias, fc2_bias)
         normed, total = _add_norm(self, attention_out, residual)
-        dtype = normed.dtype
         if self.activation == "gelu":
-            weights = (self.fc1_weight, fc1_bias, self.fc2_weight, fc2_bias)
-            return _GeluMLP.apply(normed, *(_cast(w, dtype) for w in weights)), total
+            return _GeluMLP.apply(normed, self.fc1_weight, fc1_bias, self.fc2_weight, fc2_bias), total
         hidden = _SwiGLU.apply(_linear(normed, self.fc1_weight, fc1_bias))
         return _linear(hidden, self.fc2_weight, fc2_bias), total
 

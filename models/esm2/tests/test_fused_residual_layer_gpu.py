@@ -8,6 +8,7 @@ import torch
 from esm_testing import hf_esm2_config, model_inputs, randomize_
 from transformers import EsmForMaskedLM
 
+from esm2_te import fused_residual_layer
 from esm2_te.convert import convert_esm_hf_to_te
 from esm2_te.fused_residual_layer import FusedResidualTransformerLayer
 from esm2_te.modeling_esm_te import NVEsmForMaskedLM
@@ -152,3 +153,44 @@ def test_a_tiny_bias_moves_the_layer_output_by_about_its_own_size(layers, monkey
     # of 650M width: 275x; docs/benchmarks.md).
     shift = ((outputs[1] - outputs[0]) * signs).mean().item() / size
     assert abs(shift) < 20, shift
+
+
+@pytest.mark.parametrize("out_features", [960, 160], ids=["wider-column-sum", "narrower-epilogue"])
+def test_fp32_weights_get_the_float32_gemm_gradient(out_features):
+    """fp32 master weights under bf16 compute: the weight-gradient GEMM writes float32 itself (as TE's ``te.Linear``
+    into ``main_grad``), so the gradient is the float32 sum of the bf16 operands' products, not that sum rounded to
+    bf16 and cast back (what it was before, at ~2e-3 relative error). Both bias-gradient paths: a column sum where the
+    output is wider than the input (QKV, fc1), the GEMM's epilogue where it is not (proj, fc2; its bias gradient comes
+    in bf16 from cuBLAS)."""
+    torch.manual_seed(0)
+    x = torch.randn(1000, 320, device="cuda").bfloat16().requires_grad_()
+    weight = torch.randn(out_features, 320, device="cuda").requires_grad_()
+    bias = torch.randn(out_features, device="cuda").requires_grad_()
+    out = fused_residual_layer._LinearWithBias.apply(x, weight, bias)
+    assert out.dtype == torch.bfloat16
+    assert relative_error(out, x.float() @ weight.bfloat16().float().T + bias.bfloat16().float()) < 1e-2
+    grad = torch.randn_like(out)
+    out.backward(grad)
+    assert weight.grad.dtype == bias.grad.dtype == torch.float32
+    assert relative_error(weight.grad, grad.float().T @ x.detach().float()) < 1e-5
+    assert relative_error(bias.grad, grad.float().sum(0)) < (1e-5 if out_features > 320 else 1e-2)
+    assert relative_error(x.grad, grad.float() @ weight.detach().bfloat16().float()) < 1e-2
+
+
+def test_fp32_weights_under_autocast_get_gradients_finer_than_bf16():
+    """The whole model with fp32 parameters under bf16 autocast (the recipes' DDP default): every GEMM weight of every
+    layer gets a float32 gradient that is not a bf16 value cast up (before, all were)."""
+    fused, _ = models()
+    fused.train()
+    with torch.autocast("cuda", dtype=torch.bfloat16):
+        fused(**model_inputs("thd")).loss.backward()
+    checked = 0
+    for name, param in fused.esm.encoder.layers.named_parameters():
+        if param.dim() != 2:
+            continue
+        grad = param.grad
+        assert grad.dtype == torch.float32, name
+        off_bf16_values = (grad != grad.bfloat16().float()).float().mean().item()
+        assert off_bf16_values > 0.9, (name, off_bf16_values)
+        checked += 1
+    assert checked == 4 * SHAPE["num_hidden_layers"]  # QKV, proj, fc1, fc2
