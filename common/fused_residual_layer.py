@@ -22,7 +22,9 @@ kernel when the caller chains layers with ``defer_residual`` (see ``forward``), 
 GEMMs are cuBLAS's, as TE's are in bf16: without biases torch's; with biases TE's ``general_gemm``, so that each bias
 is added by its GEMM's epilogue and, for the projections that narrow or keep the width (proj, fc2), its gradient
 summed by the weight-gradient GEMM's epilogue (as ``te.Linear`` does); the widening ones (QKV, fc1) sum their bias
-gradient in a separate column sum, which is cheaper there (``_weight_and_bias_grad``). GELU runs in the fc1 GEMM's
+gradient in a separate column sum, which is cheaper there (``_weight_and_bias_grad``). With fp32 master weights
+under bf16 autocast (DDP) every GEMM is TE's, and its weight-gradient GEMM writes the float32 gradient itself (no
+bf16 gradient cast afterwards, as TE's fp32 ``main_grad``). GELU runs in the fc1 GEMM's
 epilogue and its derivative in the fc2 data-gradient GEMM's (as ``te.LayerNormMLP`` does with
 ``bias_gelu_nvfusion`` off); SwiGLU is TE's kernel. Attention is TE's fused attention on query/key/value views of
 the QKV projection, called through ``te_attention.PackedCuDNNAttention`` (TE's cuDNN kernels without
@@ -153,8 +155,8 @@ def _dtype(param: torch.Tensor | None) -> torch.dtype | None:
     return None if param is None else param.dtype
 
 
-class _LinearWithBias(torch.autograd.Function):
-    """``x @ weight.T + bias`` with the bias in the GEMM's epilogue and its gradient by ``_weight_and_bias_grad``
+class _Linear(torch.autograd.Function):
+    """``x @ weight.T + bias`` (the bias may be None) with the bias in the GEMM's epilogue and its gradient by ``_weight_and_bias_grad``
     (``general_gemm``'s layouts: "TN" forward, "NN" data gradient, "NT" weight gradient, as ``te.Linear``). The
     parameters come as held (fp32 master weights, or already in ``x``'s dtype) and are cast to ``x``'s dtype here;
     their gradients are returned in their own dtypes."""
@@ -184,7 +186,7 @@ class _GeluMLP(torch.autograd.Function):
     pre-activation for the backward; fc2's bias in fc2's. Backward: dGELU in fc2's data-gradient epilogue, fc2's bias
     gradient in its weight-gradient epilogue and fc1's in a column sum (``_weight_and_bias_grad``; ``te.LayerNormMLP``
     in bf16 with ``bias_gelu_nvfusion`` off sums both in the epilogues). The biases may be None. Parameters as in
-    ``_LinearWithBias``: cast to ``x``'s dtype here, gradients in their own dtypes."""
+    ``_Linear``: cast to ``x``'s dtype here, gradients in their own dtypes."""
 
     @staticmethod
     def forward(ctx, x, fc1_weight, fc1_bias, fc2_weight, fc2_bias):
@@ -213,9 +215,11 @@ class _GeluMLP(torch.autograd.Function):
 
 
 def _linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
-    if bias is None:
-        return F.linear(x, weight)
-    return _LinearWithBias.apply(x, weight, bias)
+    if bias is None and weight.dtype == x.dtype:
+        return F.linear(x, weight)  # torch's GEMM, no epilogue to ask for
+    # A bias, or fp32 master weights under bf16 autocast: there F.linear would cast the weight for the GEMM and its
+    # bf16 gradient back to float32 (``_weight_and_bias_grad``).
+    return _Linear.apply(x, weight, bias)
 
 
 def _fp8_enabled() -> bool:

@@ -134,3 +134,22 @@ def test_fused_residual_layer_refuses_what_it_does_not_implement():
         FusedResidualTransformerLayer(960, 1280, 15, attention_dropout=0.1, device="cuda")
     with pytest.raises(ValueError, match=r"activation='relu' \(needs 'swiglu' or 'gelu'\)"):
         FusedResidualTransformerLayer(960, 1280, 15, activation="relu", device="cuda")
+
+
+def test_fp32_weights_under_autocast_get_gradients_finer_than_bf16():
+    """fp32 master weights under bf16 autocast (the recipes' DDP default): the bias-free projections (QKV, proj, the
+    SwiGLU fc1, fc2) run TE's GEMMs, whose weight-gradient GEMMs write float32 gradients themselves, not bf16 ones
+    cast up (what ``F.linear`` under autocast gives, and what these layers gave before). Every GEMM weight of every
+    layer: >90% of its gradient values lie off the bf16 grid (bf16 values cast up: none)."""
+    fused = reference_to_nv(reference_model(SHAPE), backend="te", fused_residual_norm=True).cuda().train()
+    batch = {k: v.cuda() if isinstance(v, torch.Tensor) else v for k, v in pack(make_batch([200, 130, 77])).items()}
+    run(fused, batch, autocast=True)
+    checked = 0
+    for name, param in fused.amplify.layers.named_parameters():
+        if param.dim() != 2:
+            continue
+        assert param.grad.dtype == torch.float32, name
+        off_bf16_values = (param.grad != param.grad.bfloat16().float()).float().mean().item()
+        assert off_bf16_values > 0.9, (name, off_bf16_values)
+        checked += 1
+    assert checked == 4 * SHAPE["num_hidden_layers"]  # QKV, proj, fc1, fc2

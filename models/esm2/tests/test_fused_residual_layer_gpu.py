@@ -166,7 +166,7 @@ def test_fp32_weights_get_the_float32_gemm_gradient(out_features):
     x = torch.randn(1000, 320, device="cuda").bfloat16().requires_grad_()
     weight = torch.randn(out_features, 320, device="cuda").requires_grad_()
     bias = torch.randn(out_features, device="cuda").requires_grad_()
-    out = fused_residual_layer._LinearWithBias.apply(x, weight, bias)
+    out = fused_residual_layer._Linear.apply(x, weight, bias)
     assert out.dtype == torch.bfloat16
     assert relative_error(out, x.float() @ weight.bfloat16().float().T + bias.bfloat16().float()) < 1e-2
     grad = torch.randn_like(out)

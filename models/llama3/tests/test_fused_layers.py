@@ -423,3 +423,24 @@ def test_fused_layers_train_from_a_meta_device_init():
         optimizer.zero_grad()
         losses.append(loss.item())
     assert losses[-1] < losses[0] - 0.5, losses  # learns the one batch
+
+
+@pytest.mark.requires_gpu
+@pytest.mark.requires_te
+def test_fp32_weights_under_autocast_get_gradients_finer_than_bf16():
+    """fp32 master weights under bf16 autocast (DDP's default): the projections (the grouped QKV, proj, fc1, fc2) run
+    TE's GEMMs, whose weight-gradient GEMMs write float32 gradients themselves, not bf16 ones cast up (what
+    ``F.linear`` under autocast gives, and what these layers gave before). Every GEMM weight of every layer: >90% of
+    its gradient values lie off the bf16 grid (bf16 values cast up: none)."""
+    model = _three_models()["fused"].train()
+    with torch.autocast("cuda", dtype=torch.bfloat16):
+        model(**_batch("thd")).loss.backward()
+    checked = 0
+    for name, param in model.model.layers.named_parameters():
+        if param.dim() != 2:
+            continue
+        assert param.grad.dtype == torch.float32, name
+        off_bf16_values = (param.grad != param.grad.bfloat16().float()).float().mean().item()
+        assert off_bf16_values > 0.9, (name, off_bf16_values)
+        checked += 1
+    assert checked == 4 * GPU_SHAPE["num_hidden_layers"]  # QKV, proj, fc1, fc2
