@@ -79,6 +79,8 @@ def assert_learned(metrics: list[dict], threshold: float = LOSS_THRESHOLD, last_
                 "+model_config_overrides.fused_residual_norm=true",
             ],
         ),
+        # ... with fp32 master weights (L1_650M's DDP default): the weight-gradient GEMMs write float32 gradients
+        ("train_ddp.py", ["dataset.input_format=thd", "+model_config_overrides.fused_residual_norm=true"]),
         ("train_fsdp2.py", ["dataset.input_format=bshd", "+model_config_overrides.fused_residual_norm=true"]),
         ("train_ddp.py", ["dataset.input_format=thd", "use_torch_compile=true"]),
     ],
@@ -88,6 +90,7 @@ def assert_learned(metrics: list[dict], threshold: float = LOSS_THRESHOLD, last_
         "fsdp2-async-compile",
         "ddp-bf16-weights",
         "ddp-fused-residual",
+        "ddp-fused-residual-fp32-masters",
         "fsdp2-fused-residual",
         "ddp-compile",
     ],
