@@ -158,9 +158,9 @@ def _dtype(param: torch.Tensor | None) -> torch.dtype | None:
 
 class _Linear(torch.autograd.Function):
     """``x @ weight.T + bias`` (the bias may be None) with the bias in the GEMM's epilogue and its gradient by
-    ``_weight_and_bias_grad`` (``general_gemm``'s layouts: "TN" forward, "NN" data gradient, "NT" weight gradient, as ``te.Linear``). The
-    parameters come as held (fp32 master weights, or already in ``x``'s dtype) and are cast to ``x``'s dtype here;
-    their gradients are returned in their own dtypes."""
+    ``_weight_and_bias_grad`` (``general_gemm``'s layouts: "TN" forward, "NN" data gradient, "NT" weight gradient, as
+    ``te.Linear``). The parameters come as held (fp32 master weights, or already in ``x``'s dtype) and are cast to
+    ``x``'s dtype here; their gradients are returned in their own dtypes."""
 
     @staticmethod
     def forward(ctx, x, weight, bias):

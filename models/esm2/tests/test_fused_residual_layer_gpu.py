@@ -159,9 +159,9 @@ def test_a_tiny_bias_moves_the_layer_output_by_about_its_own_size(layers, monkey
 def test_fp32_weights_get_the_float32_gemm_gradient(out_features):
     """fp32 master weights under bf16 compute: the weight-gradient GEMM writes float32 itself (as TE's ``te.Linear``
     into ``main_grad``), so the gradient is the float32 sum of the bf16 operands' products, not that sum rounded to
-    bf16 and cast back (what it was before: ~1e-3 relative error, the norm of bf16's rounding). Both bias-gradient paths: a column sum where the
-    output is wider than the input (QKV, fc1), the GEMM's epilogue where it is not (proj, fc2; its bias gradient comes
-    in bf16 from cuBLAS)."""
+    bf16 and cast back (what it was before: ~1e-3 relative error, the norm of bf16's rounding). Both bias-gradient
+    paths: a column sum where the output is wider than the input (QKV, fc1), the GEMM's epilogue where it is not
+    (proj, fc2; its bias gradient comes in bf16 from cuBLAS)."""
     torch.manual_seed(0)
     x = torch.randn(1000, 320, device="cuda").bfloat16().requires_grad_()
     weight = torch.randn(out_features, 320, device="cuda").requires_grad_()
