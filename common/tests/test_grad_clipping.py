@@ -1,14 +1,19 @@
-"""grad_clipping.clip_sharded_grad_norm_ on two CPU processes (gloo), with the gradient layout Megatron-FSDP leaves:
-DTensor gradients sharded over the data-parallel ranks, and None on a rank that holds no part of a parameter.
+"""grad_clipping: ``clip_sharded_grad_norm_`` on two CPU processes (gloo), with the gradient layout Megatron-FSDP
+leaves (DTensor gradients sharded over the data-parallel ranks, and None on a rank that holds no part of a parameter),
+and ``clip_grad_norm_and_step`` on one.
 
-The reference is independent of the code under test: the full gradients, known to both processes, their global norm
-by ``torch.linalg.vector_norm``, and the clipped gradients as that norm scales them.
+The references are independent of the code under test: the full gradients, known to both processes, their global norm
+by ``torch.linalg.vector_norm``, and the clipped gradients as that norm scales them; for the clip-and-step, torch's
+``clip_grad_norm_`` followed by the optimizer's plain step.
 """
 
+import importlib
+
+import pytest
 import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
-from grad_clipping import clip_sharded_grad_norm_
+from grad_clipping import clip_grad_norm_and_step, clip_sharded_grad_norm_
 from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.tensor import Shard, distribute_tensor
 
@@ -86,3 +91,93 @@ def test_bf16_gradients_norms_are_float32():
     norm = clip_sharded_grad_norm_(params, None)
     assert norm.dtype == torch.float32
     assert norm.item() == torch.tensor(6.0).sqrt().item()  # sqrt(3 + 3)
+
+
+def varying_gradients(params, step: int) -> list[torch.Tensor]:
+    """Gradients whose global norm changes from step to step (0.1 to 100 times that of N(0, 1) noise), so that some
+    steps clip at ``max_norm`` 5 and some do not, by varying factors (AdamW hardly feels a constant one)."""
+    generator = torch.Generator().manual_seed(100 + step)
+    size = (0.1, 3.0, 100.0, 0.5, 20.0)[step % 5]
+    return [(torch.randn(p.shape, generator=generator) * size).to(p.dtype) for p in params]
+
+
+def parameters(dtype: torch.dtype) -> list[torch.nn.Parameter]:
+    generator = torch.Generator().manual_seed(0)
+    return [torch.nn.Parameter((torch.randn(s, generator=generator) * 0.02).to(dtype)) for s in ((17, 9), (9,), (40,))]
+
+
+def run_clip_and_step(optimizer_class, dtype, steps: int, max_norm, **kwargs):
+    """(parameters, norms, gradients after each step) of ``clip_grad_norm_and_step`` over ``steps`` steps."""
+    params = parameters(dtype)
+    optimizer = optimizer_class(params, lr=1e-3, betas=(0.9, 0.98), weight_decay=0.01, **kwargs)
+    norms, grads_after = [], []
+    for step in range(steps):
+        for param, grad in zip(params, varying_gradients(params, step)):
+            param.grad = grad
+        norms.append(clip_grad_norm_and_step(optimizer, params, max_norm))
+        grads_after.append([param.grad.clone() for param in params])
+    return params, norms, grads_after
+
+
+def test_torchs_adamw_gets_torchs_in_place_clipping():
+    """An optimizer without ``scales_gradients_in_step``: exactly ``clip_grad_norm_`` then ``step()``."""
+    params, norms, grads_after = run_clip_and_step(torch.optim.AdamW, torch.float32, 5, 5.0, foreach=False)
+    reference = parameters(torch.float32)
+    optimizer = torch.optim.AdamW(reference, lr=1e-3, betas=(0.9, 0.98), weight_decay=0.01, foreach=False)
+    for step in range(5):
+        for param, grad in zip(reference, varying_gradients(reference, step)):
+            param.grad = grad
+        norm = torch.nn.utils.clip_grad_norm_(reference, 5.0)
+        optimizer.step()
+        assert norm.item() == norms[step].item()
+        for param, grad in zip(reference, grads_after[step]):
+            torch.testing.assert_close(grad, param.grad, rtol=0, atol=0)  # clipped in place, as torch does
+    for a, b in zip(params, reference):
+        torch.testing.assert_close(a, b, rtol=0, atol=0)
+
+
+@pytest.mark.parametrize("sharded", [False, True])
+def test_compensated_adamw_gets_the_clip_factor_and_the_gradients_stay(sharded):
+    """``CompensatedAdamW`` (bf16 weights): the step gets ``clip_factor`` of the norm torch's ``clip_grad_norm_``
+    measures (``clip_sharded_grad_norm_``'s with ``sharded``), the gradients are not touched, and the weights end
+    where in-place clipping takes them to within its bf16 rounding of the clipped gradients; the control, the same
+    steps without clipping, ends far off."""
+    compensated_adamw = importlib.import_module("compensated_adamw")
+    kwargs = {"initial_compensation": "zero", "state_dtype": torch.float32}
+
+    def run(clip: str):
+        params = parameters(torch.bfloat16)
+        optimizer = compensated_adamw.CompensatedAdamW(params, lr=1e-3, betas=(0.9, 0.98), weight_decay=0.01, **kwargs)
+        for step in range(10):
+            grads = varying_gradients(params, step)
+            for param, grad in zip(params, grads):
+                param.grad = grad.clone()
+            if clip == "in step":
+                norm = clip_grad_norm_and_step(optimizer, params, 5.0, sharded=sharded)
+                if sharded:
+                    assert norm.item() == clip_sharded_grad_norm_(params, None).item()
+                else:
+                    assert norm.item() == torch.nn.utils.get_total_norm([p.grad for p in params]).item()
+                for param, grad in zip(params, grads):
+                    torch.testing.assert_close(param.grad, grad, rtol=0, atol=0)
+            elif clip == "in place":
+                torch.nn.utils.clip_grad_norm_(params, 5.0)
+                optimizer.step()
+            else:
+                optimizer.step()
+        return [compensated_adamw.join_master(p.detach(), optimizer.state[p]["compensation"]) for p in params]
+
+    in_step, in_place, unclipped = run("in step"), run("in place"), run("none")
+    for start, a, b, c in zip(parameters(torch.float32), in_step, in_place, unclipped):
+        moved = (b - start).abs().mean()
+        assert (a - b).abs().mean() < 0.01 * moved, ((a - b).abs().mean(), moved)
+        assert (c - b).abs().mean() > 0.1 * moved, ((c - b).abs().mean(), moved)
+
+
+def test_max_norm_none_measures_and_steps():
+    params, norms, grads_after = run_clip_and_step(torch.optim.AdamW, torch.float32, 3, None, foreach=False)
+    for step in range(3):
+        expected = torch.nn.utils.get_total_norm(varying_gradients(params, step))
+        assert norms[step].item() == expected.item()
+        for grad, unclipped in zip(grads_after[step], varying_gradients(params, step)):
+            torch.testing.assert_close(grad, unclipped, rtol=0, atol=0)

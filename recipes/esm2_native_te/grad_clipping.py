@@ -1,5 +1,15 @@
 # Copied from common/grad_clipping.py — edit the source, then run ci/check_copies.py --fix
-"""Gradient-norm clipping for sharded models whose ranks may hold no part of some gradients (Megatron-FSDP).
+"""Gradient-norm clipping: the training step's clip-and-step, and the norm of Megatron-FSDP's sharded gradients.
+
+``clip_grad_norm_and_step`` is what the training loops call between backward and the scheduler. It clips as
+``torch.nn.utils.clip_grad_norm_`` does (the same norm, the same factor ``min(max_norm / (norm + 1e-6), 1)``), but an
+optimizer that can scale the gradients as it reads them (``scales_gradients_in_step``: ``CompensatedAdamW``, the
+optimizer of bf16-weight runs) gets the factor in its step instead of a pass that first rewrites every gradient in
+place (for ESM-2 3B's bf16 gradients a read and a write of 5.7 GB per step). The gradients then stay unclipped, and
+the clipped gradient is not rounded to bf16 before the update: steps that clip differ from in-place clipping by that
+rounding (float32 gradients, e.g. fp32 master weights with torch's AdamW, keep the in-place clipping).
+
+Megatron-FSDP needs its own norm (``clip_sharded_grad_norm_``).
 
 ``torch.nn.utils.clip_grad_norm_`` reduces the norm of each DTensor gradient with collectives of its own. Megatron-FSDP
 shards flat buffers, so a small parameter can lie wholly on one rank; on the others its ``.grad`` is None. The ranks
@@ -45,10 +55,44 @@ def clip_sharded_grad_norm_(parameters: Iterable[torch.Tensor], max_norm: float 
     norm = squares.sqrt()
 
     if max_norm is not None:
-        scale = torch.clamp(max_norm / (norm + 1e-6), max=1.0)  # as torch's clip_grad_norm_
         all_pieces = [piece for pieces in pieces_by_reduction.values() for piece in pieces]
         if all_pieces:
-            torch._foreach_mul_(all_pieces, scale)
+            torch._foreach_mul_(all_pieces, clip_factor(norm, max_norm))
+    return norm
+
+
+def clip_factor(norm: torch.Tensor, max_norm: float) -> torch.Tensor:
+    """What clipping multiplies the gradients by, as torch's ``clip_grad_norm_`` computes it (on the device; a plain
+    tensor also where the norm is a DTensor)."""
+    factor = torch.clamp(max_norm / (norm + 1e-6), max=1.0)
+    return factor.full_tensor() if isinstance(factor, DTensor) else factor
+
+
+def clip_grad_norm_and_step(
+    optimizer: torch.optim.Optimizer,
+    parameters: Iterable[torch.Tensor],
+    max_norm: float | None,
+    *,
+    sharded: bool = False,
+) -> torch.Tensor:
+    """Clip the gradients' global L2 norm to ``max_norm`` (None: only measure it) and take ``optimizer``'s step;
+    return the norm before clipping, as ``torch.nn.utils.clip_grad_norm_`` returns it.
+
+    With ``optimizer.scales_gradients_in_step`` the factor goes to ``optimizer.step(grad_scale=...)`` and the
+    gradients are left as they are; otherwise they are scaled in place and ``optimizer.step()`` runs. ``sharded``:
+    Megatron-FSDP's gradients, whose norm ``clip_sharded_grad_norm_`` takes (call it on every rank)."""
+    parameters = list(parameters)
+    in_step = max_norm is not None and getattr(optimizer, "scales_gradients_in_step", False)
+    if sharded:
+        norm = clip_sharded_grad_norm_(parameters, None if in_step else max_norm)
+    elif in_step or max_norm is None:
+        norm = torch.nn.utils.get_total_norm([param.grad for param in parameters if param.grad is not None])
+    else:
+        norm = torch.nn.utils.clip_grad_norm_(parameters, max_norm)
+    if in_step:
+        optimizer.step(grad_scale=clip_factor(norm, max_norm))
+    else:
+        optimizer.step()
     return norm
 
 

@@ -18,7 +18,7 @@ from checkpoint import Checkpointer, export_final_model, gather_full_state_dict
 from dataset import create_dataloader
 from distributed import Meshes, cleanup_distributed, move_to_device, setup_distributed
 from grad_accumulation import count_targets, token_weights
-from grad_clipping import clip_sharded_grad_norm_
+from grad_clipping import clip_grad_norm_and_step
 from model_families import load_tokenizer
 from model_setup import build_model
 from omegaconf import DictConfig, OmegaConf
@@ -128,10 +128,10 @@ def main(cfg: DictConfig) -> None:
                     loss.backward()
                 step_loss += loss.detach()
 
-            # Not torch's clip_grad_norm_: a rank holding no piece of a parameter has no .grad (grad_clipping.py).
-            grad_norm = clip_sharded_grad_norm_(model.parameters(), cfg.max_grad_norm)
             lr = scheduler.get_last_lr()[0]
-            optimizer.step()
+            # sharded: not torch's clip_grad_norm_, as a rank holding no piece of a parameter has no .grad there; with
+            # bf16 weights the optimizer applies the clip factor as it reads the gradients (grad_clipping.py)
+            grad_norm = clip_grad_norm_and_step(optimizer, model.parameters(), cfg.max_grad_norm, sharded=True)
             scheduler.step()
             optimizer.zero_grad(set_to_none=True)
             quant_stats.step()

@@ -31,6 +31,12 @@ The arithmetic is ``torch.optim.AdamW``'s (decoupled weight decay, ``lerp`` of t
 bias-corrected square root), in float32: on CUDA one Triton kernel launch for all the parameters of the same dtypes
 and step (a multi-tensor kernel, as torch's fused AdamW), elsewhere torch, tensor by tensor.
 
+``step(grad_scale=c)`` multiplies every gradient by ``c`` (a float, or a one-element tensor left on the GPU) as it
+reads it, in float32, and leaves the gradients as they were: gradient clipping's factor applied without the pass that
+would rewrite every gradient first (``grad_clipping.clip_grad_norm_and_step``). That pass read and wrote 5.7 GB of
+bf16 gradients per ESM-2 3B step. In-place clipping rounds each scaled bf16 gradient to bf16; here the product stays
+float32, so clipped steps differ from it by that rounding.
+
 Parameters may be plain tensors or FSDP2's DTensors (each rank updates its own shard). The state dict has torch's
 AdamW keys plus ``compensation``, so checkpoints save and restore it like any optimizer state.
 """
@@ -51,6 +57,9 @@ except ImportError:  # CPU-only installs: the torch path below does the same ari
 
 class CompensatedAdamW(torch.optim.Optimizer):
     """``torch.optim.AdamW`` on the float32 master weights that bf16 parameters and their low bits make up."""
+
+    # ``step`` takes ``grad_scale``: gradient clipping can hand it its factor (grad_clipping.clip_grad_norm_and_step)
+    scales_gradients_in_step = True
 
     def __init__(
         self,
@@ -131,11 +140,14 @@ class CompensatedAdamW(torch.optim.Optimizer):
         return self._generators[device]
 
     @torch.no_grad()
-    def step(self, closure=None):
+    def step(self, closure=None, grad_scale: float | torch.Tensor | None = None):
+        """One AdamW step on every parameter with a gradient; with ``grad_scale``, on the gradients times that factor
+        (a float, or a one-element tensor: read on the device, no host sync), which are left unchanged."""
         loss = None
         if closure is not None:
             with torch.enable_grad():
                 loss = closure()
+        grad_scales = _GradScales(grad_scale)
         # Tensors the kernel takes, gathered into one launch per step count, device and dtypes; the others (CPU,
         # non-contiguous) through the torch path one by one.
         launches: dict[tuple, list[tuple]] = {}
@@ -182,10 +194,37 @@ class CompensatedAdamW(torch.optim.Optimizer):
                     )
                     launches.setdefault(key, []).append(tensors)
                 else:
-                    update_with_torch(*tensors, scalars)
-        for (scalars, *_), tensors in launches.items():
-            update_many_with_triton(tensors, scalars, self._block_tables)
+                    update_with_torch(*tensors, scalars, grad_scales.on(tensors[0].device))
+        for (scalars, device, *_), tensors in launches.items():
+            update_many_with_triton(tensors, scalars, self._block_tables, grad_scales.on(device))
         return loss
+
+
+class _GradScales:
+    """``step``'s ``grad_scale`` as a one-element float32 tensor on each device that asks for it (None: no scaling)."""
+
+    def __init__(self, grad_scale: float | torch.Tensor | None):
+        if torch.is_tensor(grad_scale):
+            if isinstance(grad_scale, DTensor):
+                grad_scale = grad_scale.full_tensor()
+            if grad_scale.numel() != 1 or not grad_scale.is_floating_point():
+                raise ValueError(
+                    f"CompensatedAdamW: grad_scale must be one floating-point value, got a {grad_scale.dtype} "
+                    f"tensor of shape {tuple(grad_scale.shape)}"
+                )
+            grad_scale = grad_scale.detach().reshape(()).float()
+        elif grad_scale is not None:
+            grad_scale = torch.tensor(float(grad_scale), dtype=torch.float32)
+        self._scale = grad_scale
+        self._by_device: dict[torch.device, torch.Tensor] = {}
+
+    def on(self, device: torch.device) -> torch.Tensor | None:
+        if self._scale is None:
+            return None
+        if device not in self._by_device:
+            # from the host without waiting; from a GPU to the host (a CPU parameter) the copy must wait
+            self._by_device[device] = self._scale.to(device, non_blocking=self._scale.device.type == "cpu")
+        return self._by_device[device]
 
 
 @dataclass(frozen=True)
@@ -229,13 +268,16 @@ def _wrap(unsigned: torch.Tensor, width: int) -> torch.Tensor:
     return torch.where(unsigned >= 2 ** (width - 1), unsigned - 2**width, unsigned)
 
 
-def update_with_torch(param, grad, exp_avg, exp_avg_sq, low, scalars: AdamWScalars) -> None:
-    """The reference arithmetic: torch's (single-tensor) AdamW in float32, on the joined master weights."""
+def update_with_torch(param, grad, exp_avg, exp_avg_sq, low, scalars: AdamWScalars, grad_scale=None) -> None:
+    """The reference arithmetic: torch's (single-tensor) AdamW in float32, on the joined master weights, of the
+    gradient times ``grad_scale`` (a one-element float32 tensor on the gradient's device; None: 1)."""
     f32 = torch.float32
     s = AdamWScalars(
         **{name: torch.tensor(value, dtype=f32) for name, value in asdict(scalars).items()}
     )  # as the kernel
     g = grad.to(f32)
+    if grad_scale is not None:
+        g = g * grad_scale
     m = exp_avg.to(f32)
     m = m + (g - m) * s.one_minus_beta1  # lerp(m, g, 1 - beta1)
     v = exp_avg_sq.to(f32) * s.beta2 + s.one_minus_beta2 * g * g  # addcmul's order: value * grad * grad
@@ -285,11 +327,21 @@ def _kernel():
     if _KERNEL is None:
 
         def update_block(
-            pointers, offsets, mask, scalars, PARAM: tl.constexpr, MOMENT: tl.constexpr, SPLIT: tl.constexpr
+            pointers,
+            offsets,
+            mask,
+            scalars,
+            grad_scale,
+            PARAM: tl.constexpr,
+            MOMENT: tl.constexpr,
+            SPLIT: tl.constexpr,
+            SCALE_GRAD: tl.constexpr,
         ):
             param_ptr, grad_ptr, exp_avg_ptr, exp_avg_sq_ptr, low_ptr = pointers
             decay, one_minus_beta1, beta2, one_minus_beta2, step_size, sqrt_bias_correction2, eps = scalars
             g = tl.load(grad_ptr + offsets, mask=mask).to(tl.float32)
+            if SCALE_GRAD:
+                g = g * grad_scale
             m = tl.load(exp_avg_ptr + offsets, mask=mask).to(tl.float32)
             m = m + (g - m) * one_minus_beta1
             v = tl.load(exp_avg_sq_ptr + offsets, mask=mask).to(tl.float32) * beta2 + one_minus_beta2 * g * g
@@ -327,10 +379,12 @@ def _kernel():
             step_size,
             sqrt_bias_correction2,
             eps,
+            grad_scale_ptr,
             PARAM: tl.constexpr,
             GRAD: tl.constexpr,
             MOMENT: tl.constexpr,
             SPLIT: tl.constexpr,
+            SCALE_GRAD: tl.constexpr,
             ALIGNED: tl.constexpr,
             BLOCK: tl.constexpr,
         ):
@@ -355,13 +409,16 @@ def _kernel():
             offsets = start + tl.arange(0, BLOCK)
             pointers = (param_ptr, grad_ptr, exp_avg_ptr, exp_avg_sq_ptr, low_ptr)
             scalars = (decay, one_minus_beta1, beta2, one_minus_beta2, step_size, sqrt_bias_correction2, eps)
+            grad_scale = tl.load(grad_scale_ptr) if SCALE_GRAD else 1.0
             if ALIGNED:
                 if start + BLOCK <= numel:  # a whole block: no mask, so that Triton can vectorise loads and stores
-                    _update_block(pointers, offsets, None, scalars, PARAM, MOMENT, SPLIT)
+                    _update_block(pointers, offsets, None, scalars, grad_scale, PARAM, MOMENT, SPLIT, SCALE_GRAD)
                 else:
-                    _update_block(pointers, offsets, offsets < numel, scalars, PARAM, MOMENT, SPLIT)
+                    mask = offsets < numel
+                    _update_block(pointers, offsets, mask, scalars, grad_scale, PARAM, MOMENT, SPLIT, SCALE_GRAD)
             else:
-                _update_block(pointers, offsets, offsets < numel, scalars, PARAM, MOMENT, SPLIT)
+                mask = offsets < numel
+                _update_block(pointers, offsets, mask, scalars, grad_scale, PARAM, MOMENT, SPLIT, SCALE_GRAD)
 
         _KERNEL = triton.jit(compensated_adamw)
     return _KERNEL
@@ -390,9 +447,12 @@ class _BlockTables:
         return self._tables[key]
 
 
-def update_many_with_triton(tensors: list[tuple], scalars: AdamWScalars, tables: _BlockTables) -> None:
+def update_many_with_triton(
+    tensors: list[tuple], scalars: AdamWScalars, tables: _BlockTables, grad_scale: torch.Tensor | None = None
+) -> None:
     """One kernel launch for many ``(param, grad, exp_avg, exp_avg_sq, low)`` tuples of contiguous CUDA tensors with
-    the same dtypes (``low`` None for every float32 ``param``, an int16 tensor for every bf16 one)."""
+    the same dtypes (``low`` None for every float32 ``param``, an int16 tensor for every bf16 one), on the gradients
+    times ``grad_scale`` (a one-element float32 tensor on their device; None: 1)."""
     param, grad, exp_avg, _, low = tensors[0]
     numels = tuple(t[0].numel() for t in tensors)
     lengths, block_tensor, block_start = tables.get(numels, param.device)
@@ -412,10 +472,12 @@ def update_many_with_triton(tensors: list[tuple], scalars: AdamWScalars, tables:
         scalars.step_size,
         scalars.sqrt_bias_correction2,
         scalars.eps,
+        lengths if grad_scale is None else grad_scale,  # not read without SCALE_GRAD
         PARAM=_triton_dtype(param.dtype),
         GRAD=_triton_dtype(grad.dtype),
         MOMENT=_triton_dtype(exp_avg.dtype),
         SPLIT=low is not None,
+        SCALE_GRAD=grad_scale is not None,
         ALIGNED=aligned,
         BLOCK=_BLOCK,
         num_warps=_NUM_WARPS,

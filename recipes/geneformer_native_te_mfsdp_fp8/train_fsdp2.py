@@ -18,6 +18,7 @@ from checkpoint import Checkpointer, export_final_model, gather_full_state_dict
 from dataset import create_dataloader, held_out_batches
 from distributed import build_meshes, cleanup_distributed, move_to_device, setup_distributed
 from grad_accumulation import count_targets, token_weights
+from grad_clipping import clip_grad_norm_and_step
 from model_setup import build_model
 from omegaconf import DictConfig, OmegaConf
 from packing import with_labeled_token_index
@@ -99,9 +100,9 @@ def main(cfg: DictConfig) -> None:
                     loss.backward()
                 step_loss += loss.detach()
 
-            grad_norm = torch.nn.utils.clip_grad_norm_(model.parameters(), cfg.max_grad_norm)
             lr = scheduler.get_last_lr()[0]
-            optimizer.step()
+            # Clips and steps; with bf16 weights the optimizer applies the clip factor as it reads the gradients.
+            grad_norm = clip_grad_norm_and_step(optimizer, model.parameters(), cfg.max_grad_norm)
             scheduler.step()
             optimizer.zero_grad(set_to_none=True)
 

@@ -18,6 +18,7 @@ from checkpoint import Checkpointer, export_final_model, gather_full_state_dict
 from dataset import create_dataloaders
 from distributed import cleanup_distributed, move_to_device, setup_distributed
 from evaluation import BestModel, ValidationLog, evaluate
+from grad_clipping import clip_grad_norm_and_step
 from image_throughput import add_images_per_second, token_grid
 from mixed_precision import computes_in_bf16
 from model_setup import build_model, image_processor, model_image_size
@@ -89,9 +90,9 @@ def main(cfg: DictConfig) -> None:
                     loss.backward()
                 step_loss += loss.detach()
 
-            grad_norm = torch.nn.utils.clip_grad_norm_(model.parameters(), cfg.max_grad_norm)
             lr = scheduler.get_last_lr()[0]
-            optimizer.step()
+            # Clips and steps; with bf16 weights the optimizer applies the clip factor as it reads the gradients.
+            grad_norm = clip_grad_norm_and_step(optimizer, model.parameters(), cfg.max_grad_norm)
             scheduler.step()
             optimizer.zero_grad(set_to_none=True)
 

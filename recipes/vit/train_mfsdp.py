@@ -21,7 +21,7 @@ from checkpoint import Checkpointer, export_final_model, gather_full_state_dict
 from dataset import create_dataloaders
 from distributed import Meshes, cleanup_distributed, move_to_device, setup_distributed
 from evaluation import BestModel, ValidationLog, evaluate
-from grad_clipping import clip_sharded_grad_norm_
+from grad_clipping import clip_grad_norm_and_step
 from image_throughput import add_images_per_second, token_grid
 from model_setup import build_model, image_processor, mfsdp_mesh, model_image_size
 from omegaconf import DictConfig, OmegaConf
@@ -109,10 +109,10 @@ def main(cfg: DictConfig) -> None:
                     loss.backward()
                 step_loss += loss.detach()
 
-            # Not torch's clip_grad_norm_: a rank holding no piece of a parameter has no .grad (grad_clipping.py).
-            grad_norm = clip_sharded_grad_norm_(model.parameters(), cfg.max_grad_norm)
             lr = scheduler.get_last_lr()[0]
-            optimizer.step()
+            # sharded: not torch's clip_grad_norm_, as a rank holding no piece of a parameter has no .grad there; with
+            # bf16 weights the optimizer applies the clip factor as it reads the gradients (grad_clipping.py)
+            grad_norm = clip_grad_norm_and_step(optimizer, model.parameters(), cfg.max_grad_norm, sharded=True)
             scheduler.step()
             optimizer.zero_grad(set_to_none=True)
 

@@ -193,6 +193,64 @@ def test_float32_parameters_get_plain_adamw():
         torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-8)
 
 
+def clip_factors(steps: int) -> list[float]:
+    """A clipping factor per step, in [0.05, 1]: AdamW's update hardly changes when every gradient is scaled by the
+    same factor (the moments scale with it), so the factors change from step to step."""
+    generator = torch.Generator().manual_seed(7)
+    return [
+        1.0 if step % 4 == 3 else 0.05 + 0.95 * torch.rand((), generator=generator).item() for step in range(steps)
+    ]
+
+
+def test_grad_scale_steps_on_the_scaled_gradients_and_leaves_them_unchanged():
+    """``step(grad_scale=c)`` (gradient clipping's factor, handed over as a tensor) follows torch's fp32 AdamW fed the
+    float32 gradients times ``c`` to float32 rounding, and does not write ``.grad``; the control, the same steps
+    without the factors, ends far off."""
+    module = fresh_module()
+    master = [torch.nn.Parameter(p.detach().float()) for p in bf16_parameters()]
+    scaled, unscaled = bf16_parameters(), bf16_parameters()
+    kwargs = {"lr": 1e-4, "betas": (0.9, 0.98), "weight_decay": 0.01}
+    reference = torch.optim.AdamW(master, **kwargs, foreach=False)
+    optimizers = [
+        module.CompensatedAdamW(params, **kwargs, state_dtype=torch.float32, initial_compensation="zero")
+        for params in (scaled, unscaled)
+    ]
+    for step, factor in enumerate(clip_factors(20)):
+        grads = gradients(scaled, step)
+        for m, a, b, g in zip(master, scaled, unscaled, grads):
+            m.grad = g.float() * factor
+            a.grad, b.grad = g.clone(), g.clone()
+        reference.step()
+        optimizers[0].step(grad_scale=torch.tensor(factor))
+        optimizers[1].step()
+        for param, grad in zip(scaled, grads):
+            torch.testing.assert_close(param.grad, grad, rtol=0, atol=0)
+    for index, (m, a, b, start) in enumerate(zip(master, scaled, unscaled, bf16_parameters())):
+        moved = (m.detach() - start.float()).abs().mean()
+        error = (master_weights(module, optimizers[0], a) - m.detach()).abs()
+        assert error.max() < 1e-4 * moved, (index, error.max(), moved)
+        control = (master_weights(module, optimizers[1], b) - m.detach()).abs().mean()
+        assert control > 0.05 * moved, (index, control, moved)
+
+
+def test_a_float_grad_scale_equals_a_tensor_and_bad_ones_are_refused():
+    module = fresh_module()
+    runs = []
+    for grad_scale in (0.25, torch.tensor([0.25], dtype=torch.float64)):
+        params = bf16_parameters()
+        optimizer = module.CompensatedAdamW(params, lr=1e-4, initial_compensation="zero")
+        for step in range(3):
+            for param, grad in zip(params, gradients(params, step)):
+                param.grad = grad
+            optimizer.step(grad_scale=grad_scale if step == 1 else None)
+        runs.append([master_weights(module, optimizer, p) for p in params])
+    for a, b in zip(*runs):
+        torch.testing.assert_close(a, b, rtol=0, atol=0)
+    for bad in (torch.ones(2), torch.ones((), dtype=torch.int32)):
+        with pytest.raises(ValueError, match="grad_scale"):
+            optimizer.step(grad_scale=bad)
+
+
 def test_bad_arguments_are_refused():
     module = fresh_module()
     with pytest.raises(ValueError, match="lr"):
@@ -226,12 +284,12 @@ def _off_by_one_element(tensor: torch.Tensor) -> torch.Tensor:
     return view
 
 
-def kernel_equals_torch_path(module, device: str, aligned: bool = True) -> None:
+def kernel_equals_torch_path(module, device: str, aligned: bool = True, grad_scale: float | None = None) -> None:
     """The same arithmetic on the same inputs: the same master weights to float32 rounding (compiled, fused
     multiply-adds may round the last bit differently, and the interpreter, in numpy, differs from torch by one float32
     ulp in about 1 element of 200); bf16 moments within one bf16 step (the float32 -> bf16 conversion need not round
     as torch's does). ``aligned=False``: every array starts one element into its buffer, so the kernel must not
-    assume 16-byte alignment."""
+    assume 16-byte alignment. ``grad_scale``: both multiply the gradients by it (a one-element tensor)."""
     step = 7
     scalars = module.AdamWScalars(
         decay=1 - 4e-4 * 0.01,
@@ -254,9 +312,15 @@ def kernel_equals_torch_path(module, device: str, aligned: bool = True) -> None:
         if not aligned:
             on_device = [[None if t is None else _off_by_one_element(t) for t in tensors] for tensors in on_device]
             assert all(t.data_ptr() % 16 for tensors in on_device for t in tensors if t is not None)
-        module.update_many_with_triton([tuple(tensors) for tensors in on_device], scalars, module._BlockTables())
+        scale = None if grad_scale is None else torch.tensor(grad_scale)
+        module.update_many_with_triton(
+            [tuple(tensors) for tensors in on_device],
+            scalars,
+            module._BlockTables(),
+            None if scale is None else scale.to(device),
+        )
         for numel, by_torch, by_kernel in zip(numels, inputs, on_device):
-            module.update_with_torch(*by_torch, scalars)
+            module.update_with_torch(*by_torch, scalars, scale)
             by_kernel = [None if t is None else t.cpu() for t in by_kernel]
             where = f"{dtype}, {numel} elements"
             if dtype == torch.bfloat16:
@@ -279,6 +343,7 @@ def test_triton_kernel_equals_the_torch_path_in_the_interpreter(monkeypatch):
     module = fresh_module()
     kernel_equals_torch_path(module, "cpu")
     kernel_equals_torch_path(module, "cpu", aligned=False)
+    kernel_equals_torch_path(module, "cpu", grad_scale=0.37)
 
 
 @pytest.mark.requires_gpu
@@ -287,6 +352,8 @@ def test_triton_kernel_equals_the_torch_path_on_the_gpu():
     assert os.environ.get("TRITON_INTERPRET") != "1"
     kernel_equals_torch_path(module, "cuda")
     kernel_equals_torch_path(module, "cuda", aligned=False)  # the kernel without alignment hints
+    kernel_equals_torch_path(module, "cuda", grad_scale=0.37)
+    kernel_equals_torch_path(module, "cuda", aligned=False, grad_scale=0.37)
 
 
 def aligned_and_unaligned_launches_agree(module, device: str) -> None:

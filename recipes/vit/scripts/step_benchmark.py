@@ -25,7 +25,7 @@ RECIPE_DIR = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(RECIPE_DIR))
 
 from distributed import Meshes, cleanup_distributed, setup_distributed  # noqa: E402
-from grad_clipping import clip_sharded_grad_norm_  # noqa: E402
+from grad_clipping import clip_grad_norm_and_step  # noqa: E402
 from hydra import compose, initialize_config_dir  # noqa: E402
 from mixed_precision import computes_in_bf16  # noqa: E402
 from model_setup import build_model, mfsdp_mesh, model_image_size  # noqa: E402
@@ -75,8 +75,7 @@ def main(argv=None) -> dict:
         with torch.autocast(device.type, dtype=torch.bfloat16, enabled=autocast):
             loss = built.train_model(pixel_values=pixels, labels=labels).loss
         loss.backward()
-        clip_sharded_grad_norm_(built.model.parameters(), cfg.max_grad_norm)
-        optimizer.step()
+        clip_grad_norm_and_step(optimizer, built.model.parameters(), cfg.max_grad_norm, sharded=True)
         optimizer.zero_grad(set_to_none=True)
 
     synchronize = torch.cuda.synchronize if device.type == "cuda" else (lambda: None)
