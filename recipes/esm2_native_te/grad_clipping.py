@@ -7,7 +7,7 @@ optimizer that can scale the gradients as it reads them (``scales_gradients_in_s
 optimizer of bf16-weight runs) gets the factor in its step instead of a pass that first rewrites every gradient in
 place (for ESM-2 3B's bf16 gradients a read and a write of 5.7 GB per step). The gradients then stay unclipped, and
 the clipped gradient is not rounded to bf16 before the update: steps that clip differ from in-place clipping by that
-rounding (float32 gradients, e.g. fp32 master weights with torch's AdamW, keep the in-place clipping).
+rounding. Other optimizers (torch's AdamW, which fp32 master weights use) keep the in-place clipping.
 
 Megatron-FSDP needs its own norm (``clip_sharded_grad_norm_``).
 
