@@ -3,10 +3,11 @@
 ``clip_grad_norm_and_step`` is what the training loops call between backward and the scheduler. It clips as
 ``torch.nn.utils.clip_grad_norm_`` does (the same norm, the same factor ``min(max_norm / (norm + 1e-6), 1)``), but an
 optimizer that can scale the gradients as it reads them (``scales_gradients_in_step``: ``CompensatedAdamW``, the
-optimizer of bf16-weight runs) gets the factor in its step instead of a pass that first rewrites every gradient in
-place (for ESM-2 3B's bf16 gradients a read and a write of 5.7 GB per step). The gradients then stay unclipped, and
-the clipped gradient is not rounded to bf16 before the update: steps that clip differ from in-place clipping by that
-rounding. Other optimizers (torch's AdamW, which fp32 master weights use) keep the in-place clipping.
+recipes' AdamW on CUDA, adamw.py) gets the factor in its step instead of a pass that first rewrites every gradient in
+place (for ESM-2 3B's bf16 gradients a read and a write of 5.7 GB per step). The gradients then stay unclipped. For
+float32 gradients the clipped value is the same float32 product either way; bf16 gradients are not rounded to bf16
+after scaling, so there steps that clip differ from in-place clipping by that rounding. Other optimizers (torch's
+AdamW: CPU runs, or ``adamw_kwargs`` that ask for it) keep the in-place clipping.
 
 Megatron-FSDP needs its own norm (``clip_sharded_grad_norm_``).
 

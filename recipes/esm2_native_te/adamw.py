@@ -1,23 +1,31 @@
 # Copied from common/adamw.py — edit the source, then run ci/check_copies.py --fix
-"""The recipes' AdamW: torch's for fp32 weights, ``CompensatedAdamW`` for bf16 weights.
+"""The recipes' AdamW: ``CompensatedAdamW`` on CUDA (its float32 kernel for fp32 weights), torch's elsewhere.
 
 The config keys it reads (see each recipe's ``hydra_config/defaults.yaml``)::
 
     adamw_kwargs: {lr, betas, eps, weight_decay}       # torch.optim.AdamW's arguments
     mixed_precision: {enabled, on_cpu, fp32_master_weights, compensate_bf16_updates}
 
-With fp32 master weights (the default), or without bf16 compute, it is torch's AdamW (fused on CUDA). With bf16
-weights (``mixed_precision.fp32_master_weights: false``) torch's AdamW rounds every update to bf16, so an update
-smaller than half a bf16 step (about 6e-5 for a weight of 0.02) is lost; early in a run, under learning-rate warm-up,
-almost all of them are, and an ESM-2 650M run trailed fp32 master weights by 0.52 in loss at step 10
+With bf16 weights (``mixed_precision.fp32_master_weights: false``) torch's AdamW rounds every update to bf16, so an
+update smaller than half a bf16 step (about 6e-5 for a weight of 0.02) is lost; early in a run, under learning-rate
+warm-up, almost all of them are, and an ESM-2 650M run trailed fp32 master weights by 0.52 in loss at step 10
 (docs/benchmarks.md). There ``CompensatedAdamW`` (compensated_adamw.py) keeps the 16 low bits of each weight's fp32
 master value beside it (2 bytes per parameter) and follows fp32 AdamW; ``compensate_bf16_updates: false`` restores
 torch's AdamW.
 
+With fp32 weights (fp32 master weights, the default, or no bf16 compute) on CUDA it is ``CompensatedAdamW`` too, whose
+float32 parameters get plain AdamW in the same Triton kernel: torch's AdamW arithmetic in float32, as torch's fused
+AdamW computes it, and a step that takes gradient clipping's factor (``grad_clipping.clip_grad_norm_and_step``), so
+the fp32 gradients are not first rewritten in place (a read and a write of 8 bytes per parameter: 5.2 GB per ESM-2
+650M step). The clipped gradient is the same float32 product either way. ``adamw_kwargs`` with any other
+``torch.optim.AdamW`` argument (``+adamw_kwargs.fused=true``, ``amsgrad``, ``foreach``, ...) gets torch's AdamW
+instead, fused on CUDA unless ``fused`` says otherwise; so does every run on the CPU.
+
 Megatron-FSDP (``train_mfsdp.py``) shards the optimizer built here together with the model, inside
 ``megatron_fsdp_init_step_left_out`` (below): its ``fully_shard`` runs one optimizer step on zero gradients to build
-the state, which that context turns into a step that changes nothing and counts nothing. With bf16 weights the
-optimizer there is ``CompensatedAdamW`` too, over Megatron-FSDP's bf16 shards (``mixed_precision.megatron_fsdp_precision``).
+the state, which that context turns into a step that changes nothing and counts nothing. The optimizer there is the
+one chosen here, over Megatron-FSDP's shards: its fp32 main weights, or its bf16 shards with bf16 weights
+(``mixed_precision.megatron_fsdp_precision``).
 """
 
 import contextlib
@@ -55,7 +63,15 @@ def build_adamw(params: Iterable, cfg, device: torch.device) -> torch.optim.Opti
             )
         logger.info("Optimizer: CompensatedAdamW (bf16 weights with the 16 low bits of their fp32 master values)")
         return CompensatedAdamW(params, **cfg.adamw_kwargs)
-    return torch.optim.AdamW(params, **cfg.adamw_kwargs, fused=device.type == "cuda")
+    if device.type == "cuda" and set(cfg.adamw_kwargs) <= set(COMPENSATED_ADAMW_KWARGS):
+        logger.info(
+            "Optimizer: CompensatedAdamW's float32 kernel (torch's AdamW arithmetic; gradient clipping's factor "
+            "applied in the step; +adamw_kwargs.fused=true selects torch's fused AdamW)"
+        )
+        return CompensatedAdamW(params, **cfg.adamw_kwargs)
+    kwargs = {"fused": device.type == "cuda", **cfg.adamw_kwargs}
+    logger.info("Optimizer: torch.optim.AdamW (fused=%s)", kwargs["fused"])
+    return torch.optim.AdamW(params, **kwargs)
 
 
 # The state an AdamW step sets from its gradients: Megatron-FSDP's zero-gradient step sets the step count to 1 and the

@@ -60,7 +60,7 @@ def main(cfg: DictConfig) -> None:
     built = build_model(cfg, device, meshes, strategy="fsdp2", quant_stats=quant_stats)
     model = built.model
 
-    optimizer = build_optimizer(cfg, model, device)  # CompensatedAdamW for bf16 weights
+    optimizer = build_optimizer(cfg, model, device)  # CompensatedAdamW on CUDA (adamw.py)
     scheduler = get_linear_schedule_with_warmup(optimizer, **cfg.lr_scheduler_kwargs)
     # All CP ranks of a DP group read the same sequences (full batches); each keeps its own share of them below.
     dataloader = create_dataloader(

@@ -54,7 +54,7 @@ def main(cfg: DictConfig) -> None:
     use_bf16 = computes_in_bf16(cfg.mixed_precision, device)
 
     # Optimizer, schedule, data.
-    optimizer = build_optimizer(cfg, model, device)  # CompensatedAdamW for bf16 weights
+    optimizer = build_optimizer(cfg, model, device)  # CompensatedAdamW on CUDA (adamw.py)
     scheduler = get_linear_schedule_with_warmup(optimizer, **cfg.lr_scheduler_kwargs)
     dataloader = create_dataloader(
         cfg.dataset, tokenizer, dp_rank=dist_config.rank, dp_world_size=dist_config.world_size, seed=cfg.seed

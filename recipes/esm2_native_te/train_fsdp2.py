@@ -54,7 +54,7 @@ def main(cfg: DictConfig) -> None:
     model = built.model
 
     # Optimizer, schedule, data (each data-parallel rank reads its own shard).
-    optimizer = build_optimizer(cfg, model, device)  # CompensatedAdamW for bf16 weights
+    optimizer = build_optimizer(cfg, model, device)  # CompensatedAdamW on CUDA (adamw.py)
     scheduler = get_linear_schedule_with_warmup(optimizer, **cfg.lr_scheduler_kwargs)
     dataloader = create_dataloader(
         cfg.dataset, tokenizer, dp_rank=meshes.dp_rank, dp_world_size=meshes.dp_size, seed=cfg.seed

@@ -49,7 +49,7 @@ def main(cfg: DictConfig) -> None:
     use_bf16 = computes_in_bf16(cfg.mixed_precision, device)
 
     # Optimizer, schedule, data.
-    optimizer = build_adamw(model.parameters(), cfg, device)  # CompensatedAdamW for bf16 weights
+    optimizer = build_adamw(model.parameters(), cfg, device)  # CompensatedAdamW on CUDA (adamw.py)
     scheduler = get_linear_schedule_with_warmup(optimizer, **cfg.lr_scheduler_kwargs)
     dataloader = create_dataloader(
         cfg.dataset, tokenizer, dp_rank=dist_config.rank, dp_world_size=dist_config.world_size, seed=cfg.seed

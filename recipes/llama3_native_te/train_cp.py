@@ -55,7 +55,7 @@ def main(cfg: DictConfig) -> None:
     built = build_model(cfg, device, meshes, strategy="fsdp2")
     model = built.model
 
-    optimizer = build_adamw(model.parameters(), cfg, device)  # CompensatedAdamW for bf16 weights
+    optimizer = build_adamw(model.parameters(), cfg, device)  # CompensatedAdamW on CUDA (adamw.py)
     scheduler = get_linear_schedule_with_warmup(optimizer, **cfg.lr_scheduler_kwargs)
     # All CP ranks of a DP group read the same windows; each keeps its own share of every batch below.
     dataloader = create_dataloader(

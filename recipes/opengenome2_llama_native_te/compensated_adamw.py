@@ -26,7 +26,8 @@ seeded with ``seed``, not from the global RNG. ``initial_compensation="zero"`` s
 weights then equal the bf16 ones, e.g. after loading a bf16 checkpoint).
 
 The moments ``exp_avg`` and ``exp_avg_sq`` are stored in the parameter's dtype by default, as torch's AdamW does for
-bf16 parameters (``state_dtype=torch.float32`` keeps them in fp32). float32 parameters get plain AdamW (no low bits).
+bf16 parameters (``state_dtype=torch.float32`` keeps them in fp32). float32 parameters get plain AdamW (no low bits):
+the recipes' fp32-weight runs on CUDA use it for that (adamw.py), for the kernel and ``grad_scale`` below.
 The arithmetic is ``torch.optim.AdamW``'s (decoupled weight decay, ``lerp`` of the first moment, ``eps`` added to the
 bias-corrected square root), in float32: on CUDA one Triton kernel launch for all the parameters of the same dtypes
 and step (a multi-tensor kernel, as torch's fused AdamW), elsewhere torch, tensor by tensor.

@@ -56,7 +56,7 @@ def main(cfg: DictConfig) -> None:
     model = built.model
 
     # Optimizer with weight-decay groups, schedule; the ranks of a CP group read the same windows.
-    optimizer = build_optimizer(model, cfg, device)  # CompensatedAdamW for bf16 weights
+    optimizer = build_optimizer(model, cfg, device)  # CompensatedAdamW on CUDA (adamw.py)
     scheduler = get_linear_schedule_with_warmup(optimizer, **cfg.lr_scheduler_kwargs)
     dataloader = create_dataloader(
         cfg.dataset,

@@ -56,7 +56,7 @@ def main(cfg: DictConfig) -> None:
     built = build_model(cfg, device, meshes=None, strategy="ddp", class_names=class_names)
     model = built.model
     use_bf16 = computes_in_bf16(cfg.mixed_precision, device)
-    optimizer = build_adamw(model.parameters(), cfg, device)  # CompensatedAdamW for bf16 weights
+    optimizer = build_adamw(model.parameters(), cfg, device)  # CompensatedAdamW on CUDA (adamw.py)
     scheduler = get_linear_schedule_with_warmup(optimizer, **cfg.lr_scheduler_kwargs)
 
     # Resume from the newest complete checkpoint (model, optimizer, schedule, data position, RNG).

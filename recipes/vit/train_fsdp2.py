@@ -52,7 +52,7 @@ def main(cfg: DictConfig) -> None:
     # loading them from model_tag with init_from_pretrained). fp32 master weights are cast to bf16 per layer.
     built = build_model(cfg, device, meshes, strategy="fsdp2", class_names=class_names)
     model = built.model
-    optimizer = build_adamw(model.parameters(), cfg, device)  # CompensatedAdamW for bf16 weights
+    optimizer = build_adamw(model.parameters(), cfg, device)  # CompensatedAdamW on CUDA (adamw.py)
     scheduler = get_linear_schedule_with_warmup(optimizer, **cfg.lr_scheduler_kwargs)
 
     # Resume from the newest complete checkpoint (sharded model/optimizer, schedule, data position, RNG).

@@ -166,7 +166,7 @@ def test_bf16_weights_without_fp32_master_weights(one_process_group):
 @pytest.mark.parametrize(
     ("overrides", "expected"),
     [
-        ([], torch.optim.AdamW),  # fp32 master weights
+        ([], torch.optim.AdamW),  # fp32 master weights on the CPU (on CUDA: CompensatedAdamW, adamw.py)
         (["mixed_precision.fp32_master_weights=false"], CompensatedAdamW),
         (
             ["mixed_precision.fp32_master_weights=false", "mixed_precision.compensate_bf16_updates=false"],

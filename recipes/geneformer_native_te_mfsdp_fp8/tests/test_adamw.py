@@ -54,6 +54,30 @@ def test_bf16_weights_get_the_compensated_optimizer(cfg, expected):
     assert optimizer.defaults["weight_decay"] == 0.01 and optimizer.defaults["eps"] == 1e-8
 
 
+CUDA = torch.device("cuda")  # only the choice reads it: the parameters stay on the CPU
+
+
+@pytest.mark.parametrize(
+    ("cfg", "expected", "fused"),
+    [
+        (config(), CompensatedAdamW, None),  # fp32 master weights: the float32 kernel, clipping's factor in its step
+        (config(enabled=False), CompensatedAdamW, None),  # no bf16 compute: fp32 weights too
+        (config(fused=True), torch.optim.AdamW, True),  # asked for by name
+        (config(fused=False), torch.optim.AdamW, False),
+        (config(amsgrad=True), torch.optim.AdamW, True),  # an argument CompensatedAdamW lacks: torch's, fused
+    ],
+    ids=["fp32-master-weights", "no-bf16", "fused-asked", "unfused-asked", "amsgrad"],
+)
+def test_fp32_weights_on_cuda_get_the_float32_kernel_unless_torchs_adamw_is_asked_for(cfg, expected, fused):
+    optimizer = build_adamw(parameters(torch.float32), cfg, CUDA)
+    assert type(optimizer) is expected
+    assert optimizer.defaults["lr"] == 4e-4 and tuple(optimizer.defaults["betas"]) == (0.9, 0.98)
+    if fused is not None:
+        assert optimizer.defaults["fused"] is fused
+    # on the CPU fp32 weights always get torch's AdamW, unfused (the test suites' training runs)
+    assert build_adamw(parameters(torch.float32), config(), CPU).defaults["fused"] is False
+
+
 def test_parameter_groups_keep_their_own_settings():
     # vectors: their low bits start at zero (matrices start dithered, as an fp32 initialisation leaves them)
     decay, no_decay = (torch.nn.Parameter(torch.zeros(3, dtype=torch.bfloat16)) for _ in range(2))

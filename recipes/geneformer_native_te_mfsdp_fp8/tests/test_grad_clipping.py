@@ -5,7 +5,7 @@ and ``clip_grad_norm_and_step`` on one.
 
 The references are independent of the code under test: the full gradients, known to both processes, their global norm
 by ``torch.linalg.vector_norm``, and the clipped gradients as that norm scales them; for the clip-and-step, torch's
-``clip_grad_norm_`` followed by the optimizer's plain step.
+``clip_grad_norm_`` followed by the optimizer's plain step, and torch's AdamW (fused on the GPU) for fp32 weights.
 """
 
 import importlib
@@ -179,6 +179,65 @@ def test_compensated_adamw_gets_the_clip_factor_and_the_gradients_stay(sharded):
         moved = (b - start).abs().mean()
         assert (a - b).abs().mean() < 0.01 * moved, ((a - b).abs().mean(), moved)
         assert (c - b).abs().mean() > 0.1 * moved, ((c - b).abs().mean(), moved)
+
+
+def clip_in_place_and_step(optimizer, params, steps: int, max_norm: float, device: str = "cpu") -> None:
+    """The reference loop: torch's ``clip_grad_norm_``, then the optimizer's plain ``step()``."""
+    for step in range(steps):
+        for param, grad in zip(params, varying_gradients(params, step)):
+            param.grad = grad.to(device)
+        torch.nn.utils.clip_grad_norm_(params, max_norm)
+        optimizer.step()
+
+
+def test_compensated_adamw_with_fp32_weights_steps_as_in_place_clipping_does():
+    """fp32 weights (``CompensatedAdamW``'s float32 path, the recipes' AdamW for fp32 master weights on CUDA): the
+    factor applied in the step gives the float32 product that in-place clipping writes, so the weights and moments
+    are those of ``clip_grad_norm_`` + ``step()`` bit for bit, and torch's AdamW's to float32 rounding; the gradients
+    stay unclipped. Every step but the first clips (by factors of 0.004 to 0.7)."""
+    compensated_adamw = importlib.import_module("compensated_adamw")
+    optimizer_kwargs = {"lr": 1e-3, "betas": (0.9, 0.98), "weight_decay": 0.01}
+    params, norms, grads_after = run_clip_and_step(compensated_adamw.CompensatedAdamW, torch.float32, 5, 5.0)
+    for step, grads in enumerate(grads_after):
+        for grad, unclipped in zip(grads, varying_gradients(params, step)):
+            torch.testing.assert_close(grad, unclipped, rtol=0, atol=0)
+    assert [norm.item() > 5.0 for norm in norms] == [False, True, True, True, True]
+
+    reference = parameters(torch.float32)
+    optimizer = compensated_adamw.CompensatedAdamW(reference, **optimizer_kwargs)
+    clip_in_place_and_step(optimizer, reference, 5, 5.0)
+    for a, b in zip(params, reference):
+        torch.testing.assert_close(a, b, rtol=0, atol=0)
+
+    torchs = parameters(torch.float32)
+    clip_in_place_and_step(torch.optim.AdamW(torchs, **optimizer_kwargs, foreach=False), torchs, 5, 5.0)
+    for start, a, b in zip(parameters(torch.float32), params, torchs):
+        moved = (b - start).abs().max().item()
+        torch.testing.assert_close(a, b, rtol=0, atol=1e-6 * moved)
+
+
+@pytest.mark.requires_gpu
+def test_fp32_weights_on_the_gpu_step_as_torchs_fused_adamw_with_in_place_clipping():
+    """The recipes' old and new fp32-weight step on CUDA: ``clip_grad_norm_and_step`` with ``CompensatedAdamW``'s
+    Triton kernel against ``clip_grad_norm_`` + torch's fused AdamW, 20 steps of clipped and unclipped gradients: the
+    same weights and moments to float32 rounding (the compiled kernels may fuse multiply-adds differently)."""
+    compensated_adamw = importlib.import_module("compensated_adamw")
+    optimizer_kwargs = {"lr": 1e-3, "betas": (0.9, 0.98), "weight_decay": 0.01}
+    ours = [torch.nn.Parameter(p.detach().cuda()) for p in parameters(torch.float32)]
+    optimizer = compensated_adamw.CompensatedAdamW(ours, **optimizer_kwargs)
+    for step in range(20):
+        for param, grad in zip(ours, varying_gradients(ours, step)):
+            param.grad = grad.cuda()
+        clip_grad_norm_and_step(optimizer, ours, 5.0)
+    torchs = [torch.nn.Parameter(p.detach().cuda()) for p in parameters(torch.float32)]
+    fused = torch.optim.AdamW(torchs, **optimizer_kwargs, fused=True)
+    clip_in_place_and_step(fused, torchs, 20, 5.0, device="cuda")
+    for start, a, b in zip(parameters(torch.float32), ours, torchs):
+        moved = (b.cpu() - start).abs().max().item()
+        torch.testing.assert_close(a, b, rtol=0, atol=1e-5 * moved)
+        for key in ("exp_avg", "exp_avg_sq"):
+            want = fused.state[b][key]
+            torch.testing.assert_close(optimizer.state[a][key], want, rtol=1e-5, atol=1e-6 * want.abs().max().item())
 
 
 def test_max_norm_none_measures_and_steps():

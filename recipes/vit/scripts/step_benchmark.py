@@ -24,6 +24,7 @@ import torch
 RECIPE_DIR = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(RECIPE_DIR))
 
+from adamw import build_adamw  # noqa: E402
 from distributed import Meshes, cleanup_distributed, setup_distributed  # noqa: E402
 from grad_clipping import clip_grad_norm_and_step  # noqa: E402
 from hydra import compose, initialize_config_dir  # noqa: E402
@@ -62,7 +63,7 @@ def main(argv=None) -> dict:
     if built.optimizer is not None:
         optimizer = built.optimizer
     else:
-        optimizer = torch.optim.AdamW(built.model.parameters(), **cfg.adamw_kwargs, fused=device.type == "cuda")
+        optimizer = build_adamw(built.model.parameters(), cfg, device)  # as train_ddp.py builds it
     autocast = args.strategy == "ddp" and computes_in_bf16(cfg.mixed_precision, device)  # as train_ddp.py does
 
     batch_size = args.micro_batch or cfg.dataset.micro_batch_size
