@@ -210,8 +210,8 @@ def _build_megatron_fsdp(cfg, device, meshes, family: ModelFamily, config, plan,
     log_model(model, config)
 
     # Each transformer layer is one FSDP unit; the optimizer's parameter groups are rebuilt over the shards. The
-    # optimizer is the other entrypoints' (adamw.py): torch's fused AdamW over fp32 main weights, or CompensatedAdamW
-    # over bf16 weights (mixed_precision.fp32_master_weights=false), which then get bf16 gradients.
+    # optimizer is the other entrypoints' (adamw.py): CompensatedAdamW, over fp32 main weights (plain AdamW in its
+    # float32 kernel) or over bf16 weights (mixed_precision.fp32_master_weights=false), which then get bf16 gradients.
     optimizer = build_adamw(model.parameters(), cfg, device)
     main_params_dtype, main_grads_dtype = megatron_fsdp_precision(cfg.mixed_precision, device)
     policy = megatron_fsdp.MixedPrecisionPolicy(main_params_dtype=main_params_dtype, main_grads_dtype=main_grads_dtype)
