@@ -192,9 +192,9 @@ def clip_in_place_and_step(optimizer, params, steps: int, max_norm: float, devic
 
 def test_compensated_adamw_with_fp32_weights_steps_as_in_place_clipping_does():
     """fp32 weights (``CompensatedAdamW``'s float32 path, the recipes' AdamW for fp32 master weights on CUDA): the
-    factor applied in the step gives the float32 product that in-place clipping writes, so the weights and moments
-    are those of ``clip_grad_norm_`` + ``step()`` bit for bit, and torch's AdamW's to float32 rounding; the gradients
-    stay unclipped. Every step but the first clips (by factors of 0.004 to 0.7)."""
+    factor applied in the step gives the float32 product that in-place clipping writes, so the weights are those of
+    ``clip_grad_norm_`` + ``step()`` bit for bit, and torch's AdamW's to float32 rounding; the gradients stay
+    unclipped. Every step but the first clips (by factors of 0.004 to 0.7)."""
     compensated_adamw = importlib.import_module("compensated_adamw")
     optimizer_kwargs = {"lr": 1e-3, "betas": (0.9, 0.98), "weight_decay": 0.01}
     params, norms, grads_after = run_clip_and_step(compensated_adamw.CompensatedAdamW, torch.float32, 5, 5.0)
