@@ -57,7 +57,7 @@ try:  # package import (models/codonfm, exported checkpoints)
     from .layer_autocast import LayerAutocast
     from .layer_stack import run_layer_stack
     from .meta_init import materialize_meta_model
-    from .packing import PackedBatch, head_logits_and_loss, pack_inputs
+    from .packing import FP8_TOKEN_ALIGNMENT, PackedBatch, head_logits_and_loss, pack_inputs
 except ImportError:  # flat copy inside a recipe folder
     from activation_recompute import refuse_delayed_scaling
     from configuration_codonfm_te import NVEncodonConfig
@@ -65,7 +65,7 @@ except ImportError:  # flat copy inside a recipe folder
     from layer_autocast import LayerAutocast
     from layer_stack import run_layer_stack
     from meta_init import materialize_meta_model
-    from packing import PackedBatch, head_logits_and_loss, pack_inputs
+    from packing import FP8_TOKEN_ALIGNMENT, PackedBatch, head_logits_and_loss, pack_inputs
 
 try:
     import transformer_engine.pytorch as te
@@ -191,7 +191,7 @@ class NVEncodonModel(NVEncodonPreTrainedModel):
         return LayerAutocast(self.layer_precision, self._recipes, te.autocast if self.backend == "te" else None)
 
     def _alignment(self) -> int:
-        return 16 if any(p is not None for p in self.layer_precision) else 1
+        return FP8_TOKEN_ALIGNMENT if any(p is not None for p in self.layer_precision) else 1
 
     def pack(self, input_ids, attention_mask=None, cu_seq_lens_q=None, cu_seq_lens_k=None, max_length_q=None):
         return pack_inputs(

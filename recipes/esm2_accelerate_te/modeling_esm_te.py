@@ -36,7 +36,7 @@ try:  # package import (models/esm2, exported checkpoints)
     from .layer_stack import run_layer_stack
     from .meta_init import materialize_meta_model
     from .packed_rope import PackedQKVRotary, layers_rotary_pos_emb
-    from .packing import PackedBatch, head_logits_and_loss, pack_inputs
+    from .packing import FP8_TOKEN_ALIGNMENT, PackedBatch, head_logits_and_loss, pack_inputs
     from .te_attention import call_cudnn_directly, split_packed_qkv
     from .torch_layers import TransformerLayer as TorchTransformerLayer
     from .torch_layers import is_torch_twin
@@ -48,7 +48,7 @@ except ImportError:  # flat copy inside a recipe folder
     from layer_stack import run_layer_stack
     from meta_init import materialize_meta_model
     from packed_rope import PackedQKVRotary, layers_rotary_pos_emb
-    from packing import PackedBatch, head_logits_and_loss, pack_inputs
+    from packing import FP8_TOKEN_ALIGNMENT, PackedBatch, head_logits_and_loss, pack_inputs
     from te_attention import call_cudnn_directly, split_packed_qkv
     from torch_layers import TransformerLayer as TorchTransformerLayer
     from torch_layers import is_torch_twin
@@ -373,7 +373,7 @@ class NVEsmModel(NVEsmPreTrainedModel):
         return LayerAutocast(self.layer_precision, self._recipes, te.autocast if self.backend == "te" else None)
 
     def _alignment(self) -> int:
-        return 16 if any(p is not None for p in self.layer_precision) else 1
+        return FP8_TOKEN_ALIGNMENT if any(p is not None for p in self.layer_precision) else 1
 
     def forward_packed(self, packed: PackedBatch, output_hidden_states: bool = False):
         """Run the encoder on packed tokens: returns ([tokens, hidden], tuple of per-layer inputs or None)."""

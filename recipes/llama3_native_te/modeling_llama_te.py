@@ -45,7 +45,7 @@ try:  # package import (models/llama3, exported checkpoints)
     from .llama_decoding import cached_decoding_step
     from .meta_init import materialize_meta_model
     from .packed_rope import PackedQKVRotary, layers_rotary_pos_emb
-    from .packing import PackedBatch, pack_inputs, token_mean_loss
+    from .packing import FP8_TOKEN_ALIGNMENT, PackedBatch, pack_inputs, token_mean_loss
     from .torch_layers import TransformerLayer as TorchTransformerLayer
     from .torch_layers import is_torch_twin
 except ImportError:  # flat copy inside a recipe folder
@@ -57,7 +57,7 @@ except ImportError:  # flat copy inside a recipe folder
     from llama_decoding import cached_decoding_step
     from meta_init import materialize_meta_model
     from packed_rope import PackedQKVRotary, layers_rotary_pos_emb
-    from packing import PackedBatch, pack_inputs, token_mean_loss
+    from packing import FP8_TOKEN_ALIGNMENT, PackedBatch, pack_inputs, token_mean_loss
     from torch_layers import TransformerLayer as TorchTransformerLayer
     from torch_layers import is_torch_twin
 
@@ -293,7 +293,7 @@ class NVLlamaModel(NVLlamaPreTrainedModel):
         return LayerAutocast(self.layer_precision, self._recipes, te.autocast if self.backend == "te" else None)
 
     def _alignment(self) -> int:
-        return 16 if any(p is not None for p in self.layer_precision) else 1
+        return FP8_TOKEN_ALIGNMENT if any(p is not None for p in self.layer_precision) else 1
 
     def pack(
         self,

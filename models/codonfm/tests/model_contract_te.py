@@ -121,9 +121,16 @@ def test_fp8_recipes_train_close_to_bf16(contract, recipe_name, input_format):
     batch = cuda(layout(contract, [200, 131, 77, 250], input_format))  # 658 tokens: not a multiple of 16
     with torch.no_grad():
         bf16_loss = bf16_model(**batch).loss
+    layer_tokens = []  # what the first layer is handed: the packed tokens, padded (packing.FP8_TOKEN_ALIGNMENT)
+    hook = transformer_layers(fp8_model)[0].register_forward_pre_hook(
+        lambda module, args: layer_tokens.append(args[0].numel() // args[0].shape[-1])
+    )
     for _ in range(2):  # the second step exercises the updated scaling factors
         fp8_out = fp8_model(**batch)
         fp8_out.loss.backward()
+    hook.remove()
+    # 768: a multiple of 128, where TE's FP8 gradient casts take their fast kernels (a multiple of 16 would be legal)
+    assert layer_tokens == [768, 768], layer_tokens
     assert torch.isfinite(fp8_out.loss)
     assert abs(fp8_out.loss.item() - bf16_loss.item()) < 0.05 * bf16_loss.item()
     grads = [p.grad for p in fp8_model.parameters() if p.grad is not None]

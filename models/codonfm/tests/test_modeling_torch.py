@@ -164,7 +164,7 @@ def test_labels_must_be_one_per_sequence(reference_tiny):
 
 
 def test_pooling_leaves_the_alignment_padding_out():
-    """FP8 pads the packed tokens to a multiple of 16 with a pseudo-sequence; it is no sequence to pool."""
+    """FP8 pads the packed tokens with a pseudo-sequence (here to a multiple of 16); it is no sequence to pool."""
     input_ids = torch.tensor([[0, 5, 6, 1, 3, 3], [0, 7, 1, 3, 3, 3]])
     mask = (input_ids != 3).long()
     packed = pack_inputs(input_ids, mask, None, None, None, pad_token_id=3, align_to=16)

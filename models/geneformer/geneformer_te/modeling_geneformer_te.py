@@ -36,7 +36,7 @@ try:  # package import (models/geneformer, exported checkpoints)
     from .layer_autocast import LayerAutocast
     from .layer_stack import run_layer_stack
     from .meta_init import materialize_meta_model
-    from .packing import PackedBatch, head_logits_and_loss, pack_inputs
+    from .packing import FP8_TOKEN_ALIGNMENT, PackedBatch, head_logits_and_loss, pack_inputs
     from .te_attention import split_packed_qkv
     from .torch_layers import TransformerLayer as TorchTransformerLayer
     from .torch_layers import is_torch_twin
@@ -46,7 +46,7 @@ except ImportError:  # flat copy inside a recipe folder
     from layer_autocast import LayerAutocast
     from layer_stack import run_layer_stack
     from meta_init import materialize_meta_model
-    from packing import PackedBatch, head_logits_and_loss, pack_inputs
+    from packing import FP8_TOKEN_ALIGNMENT, PackedBatch, head_logits_and_loss, pack_inputs
     from te_attention import split_packed_qkv
     from torch_layers import TransformerLayer as TorchTransformerLayer
     from torch_layers import is_torch_twin
@@ -236,7 +236,7 @@ class NVGeneformerModel(NVGeneformerPreTrainedModel):
         return LayerAutocast(self.layer_precision, self._recipes, te.autocast if self.backend == "te" else None)
 
     def _alignment(self) -> int:
-        return 16 if any(p is not None for p in self.layer_precision) else 1
+        return FP8_TOKEN_ALIGNMENT if any(p is not None for p in self.layer_precision) else 1
 
     def pack(self, input_ids, attention_mask=None, cu_seq_lens_q=None, cu_seq_lens_k=None, max_length_q=None):
         return pack_inputs(

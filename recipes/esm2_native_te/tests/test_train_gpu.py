@@ -167,7 +167,7 @@ def test_fp8_fused_layers_learn(tmp_path, script, recipe):
 
 @pytest.mark.requires_fp8
 def test_fp8_with_bshd_input_learns(tmp_path):
-    """Padded BSHD batches under FP8: the model unpads them and pads the token count to a multiple of 16 itself."""
+    """Padded BSHD batches under FP8: the model unpads them and pads the token count to a multiple of 128 itself."""
     overrides = [
         "dataset.input_format=bshd",
         "fp8_config.enabled=true",
