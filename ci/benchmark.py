@@ -4,6 +4,7 @@
         --nproc 1 --steps 100 --data /data/uniref50_sample.parquet
     python3 ci/benchmark.py ... --synthetic protein:20000          # no data at hand: realistic synthetic lengths
     python3 ci/benchmark.py ... --override fp8_config.enabled=true --markdown docs/benchmarks.md
+    python3 ci/benchmark.py ... --gpu-memory-gib 78              # on an H200: does it fit an 80 GB H100?
     python3 ci/benchmark.py --recipe recipes/esm2_accelerate_te --entrypoint train.py --config L1_650M \
         --accelerate-config accelerate_config/fsdp2_te.yaml ...   # `accelerate launch` instead of torchrun
     python3 ci/benchmark.py --recipe recipes/codonfm_ptl_te --entrypoint train.py --config encodon_80m \
@@ -154,6 +155,7 @@ def markdown_row(result: dict) -> str:
         f"{100 * result['mfu']:.1f}%",
         f"{result['peak_memory_gb']:.1f} GB",
         f"{result['steps']} steps, data: {result['data']}"
+        + (f"; memory capped at {result['gpu_memory_cap_gib']:g} GiB" if result.get("gpu_memory_cap_gib") else "")
         + (
             f"; {result['images_per_second_per_gpu']:,.0f} images/s/GPU"
             if result.get("images_per_second_per_gpu")
@@ -225,7 +227,10 @@ def run_benchmark(args: argparse.Namespace) -> dict:
         ]  # fmt: skip
     else:
         launcher = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={args.nproc}"]
-    command = [*launcher, args.entrypoint, "--config-name", args.config, *overrides]
+    entrypoint = [args.entrypoint]
+    if args.gpu_memory_gib is not None:  # each rank runs the entrypoint through the cap
+        entrypoint = [str(REPO_ROOT / "ci" / "gpu_memory_cap.py"), str(args.gpu_memory_gib), args.entrypoint]
+    command = [*launcher, *entrypoint, "--config-name", args.config, *overrides]
     print("+", " ".join(command), flush=True)
     output_dir.mkdir(parents=True, exist_ok=True)
     log = output_dir / "benchmark.log"
@@ -262,6 +267,7 @@ def run_benchmark(args: argparse.Namespace) -> dict:
         "steps": summary["steps"],
         "windows_in_medians": summary.get("logged_windows_in_medians"),
         "data": Path(args.data).name if args.data else f"synthetic {args.synthetic}",
+        "gpu_memory_cap_gib": args.gpu_memory_gib,
     }
 
 
@@ -282,6 +288,12 @@ def main(argv: list[str] | None = None) -> None:
     source.add_argument("--data", help="dataset.path (or data.train_path) for the run")
     source.add_argument("--synthetic", help="KIND[:COUNT]: protein, dna or codon sequences with realistic lengths")
     parser.add_argument("--override", action="append", default=[], help="extra Hydra override (repeatable)")
+    parser.add_argument(
+        "--gpu-memory-gib",
+        type=float,
+        help="cap each process's CUDA allocator at this many GiB (ci/gpu_memory_cap.py): does the run fit a smaller "
+        "GPU? 78 stands for an 80 GB H100",
+    )
     parser.add_argument("--output-dir", help="run directory (default: a temporary one)")
     parser.add_argument("--json", type=Path, help="also write the result here")
     parser.add_argument("--markdown", type=Path, help="append the table row to this file (docs/benchmarks.md)")

@@ -197,3 +197,35 @@ def test_a_failed_run_ends_in_one_error_line_and_keeps_its_output(tmp_path):
     assert "step 1/4 | loss 3.0" in kept and "Tried to allocate 9.00 GiB" in kept
     assert "step 1/4 | loss 3.0" in result.stdout  # still echoed as it ran
     assert not (tmp_path / "r.json").exists()
+
+
+def test_gpu_memory_cap_runs_the_entrypoint_as_python_would(tmp_path):
+    """ci/gpu_memory_cap.py hands over to the entrypoint as ``python ENTRYPOINT ARGS``: ``__main__``, its arguments,
+    and its own folder first on ``sys.path`` (recipes import their sibling modules)."""
+    (tmp_path / "sibling.py").write_text("VALUE = 'from the recipe folder'\n")
+    (tmp_path / "train.py").write_text("import sys\nimport sibling\nprint(__name__, sys.argv[1:], sibling.VALUE)\n")
+    code = (
+        f"import gpu_memory_cap; gpu_memory_cap.run_entrypoint({str(tmp_path / 'train.py')!r}, ['--config-name', 'x'])"
+    )
+    result = subprocess.run(
+        [sys.executable, "-c", code], cwd=REPO_ROOT / "ci", capture_output=True, text=True, timeout=120, check=True
+    )
+    assert result.stdout.strip() == "__main__ ['--config-name', 'x'] from the recipe folder"
+
+
+def test_gpu_memory_cap_without_a_gpu_ends_the_benchmark_in_one_error_line(tmp_path):
+    """``--gpu-memory-gib`` launches each rank through ci/gpu_memory_cap.py; without a CUDA GPU (this CPU machine)
+    there is nothing to cap, and the benchmark says so in its last line, before the entrypoint runs."""
+    recipe = tmp_path / "recipe"
+    (recipe / "hydra_config").mkdir(parents=True)
+    (recipe / "hydra_config" / "tiny.yaml").write_text("dataset:\n  path: ???\n")
+    (recipe / "train.py").write_text("print('the entrypoint ran')\n")
+    command = [
+        sys.executable, str(REPO_ROOT / "ci" / "benchmark.py"), "--recipe", str(recipe), "--entrypoint", "train.py",
+        "--config", "tiny", "--synthetic", "protein:8", "--output-dir", str(tmp_path / "run"), "--gpu-memory-gib", "78",
+    ]  # fmt: skip
+    result = subprocess.run(command, capture_output=True, text=True, timeout=300)
+    assert result.returncode == 1
+    last = result.stderr.strip().splitlines()[-1]
+    assert "gpu_memory_cap: error: no CUDA GPU here" in last, last
+    assert "the entrypoint ran" not in result.stdout
