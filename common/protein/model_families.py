@@ -27,7 +27,6 @@ from quantization import (
     QuantizationPlan,
     build_quantization,
     check_quantized_gemm_shapes,
-    refuse_recomputed_delayed_scaling,
 )
 from recipe_paths import looks_like_hub_id, model_directory, recipe_path, tokenizer_source
 from transformers import AutoTokenizer, EsmConfig, EsmForMaskedLM, PretrainedConfig, PreTrainedTokenizerBase
@@ -219,7 +218,6 @@ def load_model_config(cfg: DictConfig, fp8_config, fp4_config) -> tuple[Pretrain
     plan = build_quantization(fp8_config, fp4_config, config.num_hidden_layers)
     config.layer_precision = plan.layer_precision
     keep_fused_layers_only_where_they_run(cfg, config)  # FP8/FP4, CP or compile: TE's layers, one warning
-    refuse_recomputed_delayed_scaling(plan, config.recompute_layers)
     try:
         family.validate(config)
     except ValueError as error:

@@ -34,7 +34,6 @@ from quantization import (
     QuantizationPlan,
     build_quantization,
     check_quantized_gemm_shapes,
-    refuse_recomputed_delayed_scaling,
 )
 from recipe_paths import model_directory, recipe_path
 from safetensors.torch import load_file
@@ -107,7 +106,6 @@ def load_model_config(cfg: DictConfig) -> tuple[NVEncodonConfig, QuantizationPla
             "TransformerEngine (see the Dockerfile) or set fp8_config.enabled=false"
         ) from None
     config.layer_precision = plan.layer_precision
-    refuse_recomputed_delayed_scaling(plan, config.recompute_layers)
     return config, plan
 
 

@@ -19,7 +19,6 @@ import logging
 import os
 from dataclasses import dataclass
 
-from omegaconf import OmegaConf
 from user_errors import ConfigError, UnsupportedHardwareError
 
 
@@ -130,12 +129,6 @@ def fp8_config_from_accelerate(launch: LaunchSettings, cfg) -> dict:
         }
     if any(settings.override_linear_precision):
         raise ConfigError("fp8_config.override_linear_precision is not supported: TransformerEngine 2 removed it")
-    if recipe == "DelayedScaling" and OmegaConf.select(cfg, "training_args.gradient_checkpointing", default=False):
-        # activation_recompute.py: recomputed DelayedScaling layers did not reproduce the plain run's gradients.
-        raise ConfigError(
-            "training_args.gradient_checkpointing recomputes every layer in backward, which FP8 DelayedScaling "
-            "(accelerate's FP8 recipe on Hopper) does not support yet: drop it, or launch with bf16"
-        )
     return {
         "enabled": True,
         "fp8_recipe": recipe,

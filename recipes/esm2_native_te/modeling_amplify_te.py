@@ -37,7 +37,6 @@ from transformers.modeling_outputs import BaseModelOutput, MaskedLMOutput
 
 
 try:  # package import (models/amplify, exported checkpoints)
-    from .activation_recompute import refuse_delayed_scaling
     from .configuration_amplify_te import NVAmplifyConfig
     from .fused_residual_layer import FusedResidualTransformerLayer
     from .layer_autocast import LayerAutocast
@@ -49,7 +48,6 @@ try:  # package import (models/amplify, exported checkpoints)
     from .torch_layers import TransformerLayer as TorchTransformerLayer
     from .torch_layers import is_torch_twin
 except ImportError:  # flat copy inside a recipe folder
-    from activation_recompute import refuse_delayed_scaling
     from configuration_amplify_te import NVAmplifyConfig
     from fused_residual_layer import FusedResidualTransformerLayer
     from layer_autocast import LayerAutocast
@@ -243,7 +241,6 @@ class NVAmplifyModel(NVAmplifyPreTrainedModel):
         self.cp_group = None
         self.gradient_checkpointing = False  # set by Hugging Face's gradient_checkpointing_enable()
         self._recipes = {"fp8": fp8_recipe, "fp4": fp4_recipe}
-        refuse_delayed_scaling(self)
         for precision in set(self.layer_precision) - {None}:
             if self._recipes[precision] is None:
                 raise ValueError(f"config.layer_precision asks for {precision} but no {precision}_recipe was passed")
@@ -277,8 +274,6 @@ class NVAmplifyModel(NVAmplifyPreTrainedModel):
         hidden = self.embeddings(packed.input_ids)
         if self.embedding_norm is not None:
             hidden = self.embedding_norm(hidden)
-        if self.training and torch.is_grad_enabled():
-            refuse_delayed_scaling(self)  # recompute can also be switched on after construction
         config = self.config
         rotary = layers_rotary_pos_emb(
             self.qkv_rotary,

@@ -46,21 +46,6 @@ class QuantizationPlan:
         return self.layer_precision is not None
 
 
-def refuse_recomputed_delayed_scaling(plan: QuantizationPlan, recompute_layers: int) -> None:
-    """A ``ConfigError`` naming the FP8 layers among the first ``recompute_layers`` (recomputed in backward:
-    ``model_config_overrides.recompute_layers``) when the FP8 recipe is DelayedScaling, which the models'
-    activation_recompute.py does not support yet."""
-    if plan.fp8_recipe is None or not plan.fp8_recipe.delayed():
-        return
-    recomputed = [i + 1 for i, p in enumerate(plan.layer_precision or []) if p == "fp8" and i < recompute_layers]
-    if recomputed:
-        raise ConfigError(
-            f"FP8 layers {recomputed} would be recomputed in backward (model_config_overrides.recompute_layers="
-            f"{recompute_layers}), which FP8 DelayedScaling does not support yet: use "
-            "fp8_config.fp8_recipe=Float8BlockScaling or Float8CurrentScaling, or recompute fewer layers"
-        )
-
-
 def _check_layers(name: str, layers: Sequence[int], num_layers: int) -> set[int]:
     layers = list(layers)
     if any(not isinstance(layer, int) or isinstance(layer, bool) for layer in layers):

@@ -6,20 +6,25 @@ about one more forward of the layer (~1/3 of its forward + backward) and frees e
 kept: attention inputs and outputs, the MLP's [tokens, ffn] activations, norms. Models recompute the first
 ``config.recompute_layers`` layers, or every layer after Hugging Face's ``model.gradient_checkpointing_enable()``.
 
-Layers that hold TransformerEngine modules go through ``te.distributed.checkpoint``, which replays the forward under the same FP8
-autocast and keeps delayed-scaling amax histories from being updated twice; other layers through
-``torch.utils.checkpoint``. Both run non-reentrant: recompute starts when backward first needs a tensor the layer did
-not keep, which also composes with FSDP2 (its pre-backward hook has already gathered the layer's weights by then) and
-with Megatron-FSDP (on an H200 its recomputed runs log the plain runs' losses bit for bit).
-Dropout masks are reproduced (both save and restore the RNG state), so the gradients equal those of a plain run.
+Every recomputed layer runs through ``torch.utils.checkpoint``, non-reentrant: recompute starts when backward first
+needs a tensor the layer did not keep, which also composes with FSDP2 (its pre-backward hook has already gathered the
+layer's weights by then) and with Megatron-FSDP (on an H200 its recomputed runs log the plain runs' losses bit for
+bit). Dropout masks are reproduced (the RNG state is saved and restored), so the gradients equal those of a plain run.
 
-FP8 layers with delayed scaling are refused: on one H100 (TE 2.20, AMPLIFY test model, two steps) their recomputed
-run gave the plain run's losses but a layer-norm gradient more than 1% away from it, while bf16 and Float8BlockScaling
-layers matched. The cause is not established: delayed scaling starts from a scale of 1, where small gradients fall
-into FP8's coarse subnormal range, so a repeated plain run might differ as much (not measured yet). Until a GPU run
-settles it, recomputed layers use current or block scaling (or bf16).
+Layers that hold TransformerEngine modules also get TE's recompute contexts (``_te_recompute_contexts``): in the
+second forward TE's modules swap in the FP8 scales the first one used, so delayed scaling recomputes the same FP8
+values, and that forward runs under the FP8 autocast the layer ran in. ``te.distributed.checkpoint`` (TE 2.20) enters
+that autocast as an outermost one, and leaving an outermost autocast runs delayed scaling's update of every scale
+(layer_autocast.py): once more per recomputed layer and step (an H200 probe, 3 recomputed layers: 4 forward updates
+and 1 backward update per step, where the plain run has 1 and 1; its amax histories, scales, losses and gradients came
+out the same as the plain run's there). Here the autocast is nested in a disabled one, so the update runs once per
+step and direction, as without recompute. The backward runs the first forward's autograd nodes (only their saved
+tensors come from the second forward), so the first FP8 module still updates the gradients' scales once, at the end of
+backward. Recomputed delayed-scaling layers give the plain run's losses, gradients, amax histories and scales
+(docs/benchmarks.md; the models' GPU contract).
 """
 
+import contextlib
 import weakref
 
 import torch
@@ -31,8 +36,7 @@ _HOLDS_TE_MODULES: "weakref.WeakKeyDictionary[torch.nn.Module, bool]" = weakref.
 
 def _holds_te_modules(layer: torch.nn.Module) -> bool:
     """Whether ``layer`` is or contains a TransformerEngine module (a ``te.TransformerLayer``, a layer built from TE
-    modules like CodonFM's, or from subclasses of them like the fused layers'): those need TE's checkpoint, which
-    replays the forward under the same FP8 autocast."""
+    modules like CodonFM's, or from subclasses of them like the fused layers'): those need TE's recompute contexts."""
     if layer not in _HOLDS_TE_MODULES:
         _HOLDS_TE_MODULES[layer] = any(
             cls.__module__.startswith("transformer_engine") for m in layer.modules() for cls in type(m).__mro__
@@ -40,15 +44,39 @@ def _holds_te_modules(layer: torch.nn.Module) -> bool:
     return _HOLDS_TE_MODULES[layer]
 
 
+def _te_recompute_contexts():
+    """``(forward, recompute)`` contexts for ``torch.utils.checkpoint``'s ``context_fn``, for a layer of TE modules
+    (see the module docstring). Called as the layer's forward starts, under the FP8 autocast it runs in."""
+    import transformer_engine.pytorch as te  # only reachable where the layer holds TE modules
+    from transformer_engine.pytorch.distributed import get_activation_recompute_contexts
+    from transformer_engine.pytorch.quantization import FP8GlobalStateManager
+
+    fp8 = FP8GlobalStateManager.is_fp8_enabled()
+    recipe = FP8GlobalStateManager.get_fp8_recipe() if fp8 else None
+    forward_context, recompute_phase = get_activation_recompute_contexts()
+
+    @contextlib.contextmanager
+    def recompute_context():
+        # The disabled region outside makes the FP8 one inner: leaving it then updates no scale.
+        with te.autocast(enabled=False), te.autocast(enabled=fp8, recipe=recipe), recompute_phase:
+            yield
+
+    return forward_context, recompute_context()
+
+
 def call_layer(layer: torch.nn.Module, recompute: bool, *args, **kwargs) -> torch.Tensor:
     """``layer(*args, **kwargs)``, with its activations recomputed in backward when ``recompute`` is true."""
     if not recompute:
         return layer(*args, **kwargs)
-    if _holds_te_modules(layer):
-        import transformer_engine.pytorch as te  # only reachable where the layer holds TE modules
-
-        return te.distributed.checkpoint(layer, *args, use_reentrant=False, **kwargs)
-    return torch.utils.checkpoint.checkpoint(layer, *args, use_reentrant=False, **kwargs)
+    if not _holds_te_modules(layer):
+        return torch.utils.checkpoint.checkpoint(layer, *args, use_reentrant=False, **kwargs)
+    # The whole forward again, never stopped early (torch stops it once the last kept tensor is recomputed): TE pairs
+    # each module's first and second forward through a queue of its saved scales, which a skipped module would leave
+    # one entry long.
+    with torch.utils.checkpoint.set_checkpoint_early_stop(False):
+        return torch.utils.checkpoint.checkpoint(
+            layer, *args, use_reentrant=False, context_fn=_te_recompute_contexts, **kwargs
+        )
 
 
 def recomputes(model: torch.nn.Module, layer_index: int) -> bool:
@@ -66,23 +94,6 @@ def validate_recompute_layers(value, num_hidden_layers: int) -> list[str]:
             f"recompute_layers must be an integer from 0 to num_hidden_layers ({num_hidden_layers}), got {value!r}"
         ]
     return []
-
-
-def refuse_delayed_scaling(model: torch.nn.Module) -> None:
-    """Raise ``ValueError`` when a layer that ``model`` recomputes runs FP8 with delayed scaling (see above).
-
-    ``model`` has ``layer_precision`` (per layer: None, "fp8" or "fp4") and ``_recipes`` (precision -> TE recipe)."""
-    everything = getattr(model, "gradient_checkpointing", False)
-    recomputed = range(len(model.layer_precision) if everything else model.config.recompute_layers)
-    for index in recomputed:
-        precision = model.layer_precision[index]
-        recipe = model._recipes.get(precision) if precision else None
-        if recipe is not None and recipe.delayed():
-            raise ValueError(
-                f"layer {index + 1} is recomputed in backward (recompute_layers / gradient_checkpointing) and runs FP8 "
-                "with DelayedScaling, which activation recompute does not support yet: use Float8BlockScaling or "
-                "Float8CurrentScaling, or recompute fewer layers"
-            )
 
 
 def recompute_note(config) -> str:

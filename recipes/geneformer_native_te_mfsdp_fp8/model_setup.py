@@ -43,7 +43,6 @@ from quantization import (
     build_quantization,
     check_quantization_supported,
     check_quantized_gemm_shapes,
-    refuse_recomputed_delayed_scaling,
 )
 from recipe_paths import looks_like_hub_id, model_directory, recipe_path, tokenizer_source
 from torch.distributed.fsdp import fully_shard
@@ -114,7 +113,6 @@ def load_model_config(cfg: DictConfig) -> tuple[NVGeneformerConfig, Quantization
         check_quantized_gemm_shapes({"hidden_size": config.hidden_size, "intermediate_size": config.intermediate_size})
     plan = build_quantization(fp8_config, fp4_config, config.num_hidden_layers)
     config.layer_precision = plan.layer_precision
-    refuse_recomputed_delayed_scaling(plan, config.recompute_layers)
     return config, plan
 
 

@@ -32,7 +32,6 @@ from transformers.modeling_outputs import BaseModelOutput, MaskedLMOutput
 
 
 try:  # package import (models/geneformer, exported checkpoints)
-    from .activation_recompute import refuse_delayed_scaling
     from .configuration_geneformer_te import NVGeneformerConfig
     from .layer_autocast import LayerAutocast
     from .layer_stack import run_layer_stack
@@ -42,7 +41,6 @@ try:  # package import (models/geneformer, exported checkpoints)
     from .torch_layers import TransformerLayer as TorchTransformerLayer
     from .torch_layers import is_torch_twin
 except ImportError:  # flat copy inside a recipe folder
-    from activation_recompute import refuse_delayed_scaling
     from configuration_geneformer_te import NVGeneformerConfig
     from layer_autocast import LayerAutocast
     from layer_stack import run_layer_stack
@@ -217,7 +215,6 @@ class NVGeneformerModel(NVGeneformerPreTrainedModel):
         self.layer_precision = list(config.layer_precision or [None] * config.num_hidden_layers)
         self._recipes = {"fp8": fp8_recipe, "fp4": fp4_recipe}
         self.gradient_checkpointing = False  # set by Hugging Face's gradient_checkpointing_enable()
-        refuse_delayed_scaling(self)
         for precision in set(self.layer_precision) - {None}:
             if self._recipes[precision] is None:
                 raise ValueError(f"config.layer_precision asks for {precision} but no {precision}_recipe was passed")
@@ -261,8 +258,6 @@ class NVGeneformerModel(NVGeneformerPreTrainedModel):
             types = packed.pack_like(token_type_ids)
             token_type_ids = types.masked_fill(types < 0, 0)  # alignment padding: type 0, never scored
         hidden = self.embeddings(packed, token_type_ids)
-        if self.training and torch.is_grad_enabled():
-            refuse_delayed_scaling(self)  # recompute can also be switched on after construction
         hidden, all_hidden = run_layer_stack(
             self,
             self.encoder.layers,

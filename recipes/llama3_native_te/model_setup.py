@@ -26,7 +26,6 @@ from quantization import (
     QuantizationPlan,
     build_quantization,
     check_quantization_supported,
-    refuse_recomputed_delayed_scaling,
 )
 from recipe_paths import model_directory
 from torch.distributed.fsdp import fully_shard
@@ -78,7 +77,6 @@ def load_model_config(cfg: DictConfig) -> tuple[NVLlamaConfig, QuantizationPlan]
     plan = build_quantization(fp8_config, fp4_config, config.num_hidden_layers)
     config.layer_precision = plan.layer_precision
     keep_fused_layers_only_where_they_run(cfg, config)  # FP8/FP4, CP or compile: TE's layers, one warning
-    refuse_recomputed_delayed_scaling(plan, config.recompute_layers)
     config.validate_nv_llama()
     return config, plan
 

@@ -37,7 +37,6 @@ from transformers.modeling_outputs import BaseModelOutputWithPast, CausalLMOutpu
 
 
 try:  # package import (models/llama3, exported checkpoints)
-    from .activation_recompute import refuse_delayed_scaling
     from .configuration_llama_te import NVLlamaConfig
     from .fused_residual_layer import FusedResidualTransformerLayer
     from .layer_autocast import LayerAutocast
@@ -49,7 +48,6 @@ try:  # package import (models/llama3, exported checkpoints)
     from .torch_layers import TransformerLayer as TorchTransformerLayer
     from .torch_layers import is_torch_twin
 except ImportError:  # flat copy inside a recipe folder
-    from activation_recompute import refuse_delayed_scaling
     from configuration_llama_te import NVLlamaConfig
     from fused_residual_layer import FusedResidualTransformerLayer
     from layer_autocast import LayerAutocast
@@ -263,7 +261,6 @@ class NVLlamaModel(NVLlamaPreTrainedModel):
         self.layer_precision = list(config.layer_precision or [None] * config.num_hidden_layers)
         self._recipes = {"fp8": fp8_recipe, "fp4": fp4_recipe}
         self.gradient_checkpointing = False  # set by Hugging Face's gradient_checkpointing_enable()
-        refuse_delayed_scaling(self)
         for precision in set(self.layer_precision) - {None}:
             if self._recipes[precision] is None:
                 raise ValueError(f"config.layer_precision asks for {precision} but no {precision}_recipe was passed")
@@ -322,8 +319,6 @@ class NVLlamaModel(NVLlamaPreTrainedModel):
     def forward_packed(self, packed: PackedBatch, output_hidden_states: bool = False):
         """Run the decoder on packed tokens: returns ([tokens, hidden], tuple of per-layer inputs or None)."""
         hidden = self.embed_tokens(packed.input_ids)
-        if self.training and torch.is_grad_enabled():
-            refuse_delayed_scaling(self)  # recompute can also be switched on after construction
         fused = self.backend == "te" and self.config.fused_residual_norm
         rotary = layers_rotary_pos_emb(self.qkv_rotary, packed, self.rotary_emb(packed.max_seqlen), False, fused)
         # Full windows first (the recipes' THD collators): the fused layers attend over them as one dense batch.

@@ -44,7 +44,6 @@ from transformers.modeling_outputs import BaseModelOutput, MaskedLMOutput, Seque
 
 
 try:  # package import (models/codonfm, exported checkpoints)
-    from .activation_recompute import refuse_delayed_scaling
     from .configuration_codonfm_te import NVEncodonConfig
     from .encodon_layer import (
         EncodonLayer,
@@ -58,7 +57,6 @@ try:  # package import (models/codonfm, exported checkpoints)
     from .meta_init import materialize_meta_model
     from .packing import FP8_TOKEN_ALIGNMENT, PackedBatch, head_logits_and_loss, pack_inputs
 except ImportError:  # flat copy inside a recipe folder
-    from activation_recompute import refuse_delayed_scaling
     from configuration_codonfm_te import NVEncodonConfig
     from encodon_layer import EncodonLayer, NVEncodonRotaryEmbedding, apply_activation, magneto_init_, tag_magneto_role
     from layer_autocast import LayerAutocast
@@ -170,7 +168,6 @@ class NVEncodonModel(NVEncodonPreTrainedModel):
         self.layer_precision = list(config.layer_precision or [None] * config.num_hidden_layers)
         self._recipes = {"fp8": fp8_recipe, "fp4": fp4_recipe}
         self.gradient_checkpointing = False  # set by Hugging Face's gradient_checkpointing_enable()
-        refuse_delayed_scaling(self)
         for precision in set(self.layer_precision) - {None}:
             if self._recipes[precision] is None:
                 raise ValueError(f"config.layer_precision asks for {precision} but no {precision}_recipe was passed")
@@ -208,8 +205,6 @@ class NVEncodonModel(NVEncodonPreTrainedModel):
         or None)."""
         hidden = self.embeddings(packed.input_ids)
         rotary = self.rotary_embeddings(packed.max_seqlen)
-        if self.training and torch.is_grad_enabled():
-            refuse_delayed_scaling(self)  # recompute can also be switched on after construction
         hidden, all_hidden = run_layer_stack(
             self,
             self.layers,

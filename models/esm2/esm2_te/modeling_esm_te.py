@@ -28,7 +28,6 @@ from transformers.modeling_outputs import BaseModelOutput, MaskedLMOutput, Token
 
 
 try:  # package import (models/esm2, exported checkpoints)
-    from .activation_recompute import refuse_delayed_scaling
     from .configuration_esm_te import NVEsmConfig
     from .fused_residual_layer import FusedResidualTransformerLayer
     from .layer_autocast import LayerAutocast
@@ -40,7 +39,6 @@ try:  # package import (models/esm2, exported checkpoints)
     from .torch_layers import TransformerLayer as TorchTransformerLayer
     from .torch_layers import is_torch_twin
 except ImportError:  # flat copy inside a recipe folder
-    from activation_recompute import refuse_delayed_scaling
     from configuration_esm_te import NVEsmConfig
     from fused_residual_layer import FusedResidualTransformerLayer
     from layer_autocast import LayerAutocast
@@ -345,7 +343,6 @@ class NVEsmModel(NVEsmPreTrainedModel):
         self.cp_group = None
         self.gradient_checkpointing = False  # set by Hugging Face's gradient_checkpointing_enable()
         self._recipes = {"fp8": fp8_recipe, "fp4": fp4_recipe}
-        refuse_delayed_scaling(self)
         for precision in set(self.layer_precision) - {None}:
             if self._recipes[precision] is None:
                 raise ValueError(f"config.layer_precision asks for {precision} but no {precision}_recipe was passed")
@@ -377,8 +374,6 @@ class NVEsmModel(NVEsmPreTrainedModel):
     def forward_packed(self, packed: PackedBatch, output_hidden_states: bool = False):
         """Run the encoder on packed tokens: returns ([tokens, hidden], tuple of per-layer inputs or None)."""
         hidden = self.embeddings(packed)
-        if self.training and torch.is_grad_enabled():
-            refuse_delayed_scaling(self)  # recompute can also be switched on after construction
         config = self.config
         rotary = layers_rotary_pos_emb(
             self.encoder.qkv_rotary,

@@ -456,30 +456,6 @@ def test_activation_recompute_gives_the_same_loss_and_gradients(contract):
     assert all(torch.equal(grads[name], grad) for name, grad in plain_grads.items())
 
 
-def test_activation_recompute_refuses_recomputed_fp8_layers_with_delayed_scaling(contract):
-    """Checked before anything needs TE, so it is named on any machine (a stand-in recipe: TE's answer the question
-    ``delayed()``). The GPU part of the contract checks it with TE's own recipe and HF's gradient_checkpointing."""
-    if not supports_recompute(contract):
-        pytest.skip(f"{contract.name} has no activation recompute")
-    layers = contract.init_config().num_hidden_layers
-
-    class Delayed:
-        @classmethod
-        def delayed(cls) -> bool:
-            return True
-
-    precision = [None] * (layers - 1) + ["fp8"]  # only the last layer runs FP8
-    with pytest.raises(ValueError, match=f"layer {layers} is recomputed in backward .* DelayedScaling"):
-        contract.nv_class(
-            contract.init_config(layer_precision=precision, recompute_layers=layers), fp8_recipe=Delayed()
-        )
-    # Recomputing only the layers before it is fine: the torch backend's own refusal of FP8 layers comes next.
-    with pytest.raises(ValueError, match="need the TransformerEngine backend"):
-        contract.nv_class(
-            contract.init_config(layer_precision=precision, recompute_layers=layers - 1), fp8_recipe=Delayed()
-        )
-
-
 def test_activation_recompute_is_off_outside_training(contract):
     """Inference (eval mode, or no autograd) keeps no activations for backward: nothing to recompute."""
     if not supports_recompute(contract):

@@ -108,14 +108,21 @@ def test_te_backend_learns_and_exports(tmp_path, script, overrides):
 
 
 @pytest.mark.requires_te
-@pytest.mark.parametrize("fp8", [False, pytest.param(True, marks=pytest.mark.requires_fp8)])
-def test_activation_recompute_with_te_and_fsdp2_trains_like_keeping_activations(tmp_path, fp8):
-    """TE layers under FSDP2 with every layer's activations recomputed in backward (bf16, and FP8 block scaling):
-    the logged losses follow the plain run's (not bit for bit: TE's backward kernels are not run-to-run exact) and
-    the step's peak memory is lower."""
+@pytest.mark.parametrize(
+    "fp8_recipe",
+    [
+        None,
+        pytest.param("DelayedScaling", marks=pytest.mark.requires_fp8),
+        pytest.param("Float8BlockScaling", marks=pytest.mark.requires_fp8),
+    ],
+)
+def test_activation_recompute_with_te_and_fsdp2_trains_like_keeping_activations(tmp_path, fp8_recipe):
+    """TE layers under FSDP2 with every layer's activations recomputed in backward (bf16, and FP8 with delayed or block
+    scaling): the logged losses follow the plain run's (not bit for bit: TE's backward kernels are not run-to-run
+    exact) and the step's peak memory is lower."""
     overrides = ["+model_config_overrides.backend=te", "dataset.input_format=thd", "dataset.pad_to_multiple_of=16"]
-    if fp8:
-        overrides += ["fp8_config.enabled=true", "fp8_config.fp8_recipe=Float8BlockScaling"]
+    if fp8_recipe:
+        overrides += ["fp8_config.enabled=true", f"fp8_config.fp8_recipe={fp8_recipe}"]
     plain = train_on_gpu("train_fsdp2.py", tmp_path / "plain", *overrides, steps=30)
     recomputed = train_on_gpu(
         "train_fsdp2.py", tmp_path / "recompute", *overrides, "+model_config_overrides.recompute_layers=6", steps=30

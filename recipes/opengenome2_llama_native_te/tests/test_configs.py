@@ -21,7 +21,7 @@ RECIPE_DIR = CONFIG_DIR.parent
 NAMED_CONFIGS = sorted(p.stem for p in CONFIG_DIR.glob("*.yaml") if p.stem != "defaults")
 OG2_CONFIGS = ["og2_1b_thd", "og2_7b_thd_gqa", "og2_7b_thd_gqa_fp8", "og2_7b_thd_gqa_global_shuffle"]
 # TE is not needed for an FP8 plan on CPU: this stands in for the recipe TE would build (it answers delayed() as
-# TE's block-scaling recipe does, for the DelayedScaling + recompute check).
+# TE's block-scaling recipe does).
 FP8_RECIPE = SimpleNamespace(delayed=lambda: False)
 
 
