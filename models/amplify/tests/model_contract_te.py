@@ -154,12 +154,8 @@ def test_layer_precision_is_honoured_per_layer(contract):
         assert mlp_projection(layer).fp8 == (wanted == "fp8")
 
 
-@pytest.mark.requires_fp8
-def test_delayed_scaling_updates_the_scales_once_per_run_of_fp8_layers(contract, monkeypatch):
-    """DelayedScaling updates every amax history and scale of the model at each exit from an outermost TE autocast (and
-    at the end of the backward of each autocast region): once per run of FP8 layers, not once per layer
-    (layer_autocast.py). Before, a model with L FP8 layers rolled each amax history L times per step."""
-    from transformer_engine.common import recipe
+def _count_scale_updates(monkeypatch) -> list[str]:
+    """The list that TE's delayed-scaling updates append "forward" or "backward" to, each time one runs."""
     from transformer_engine.pytorch.quantization import FP8GlobalStateManager
 
     updates = []
@@ -170,6 +166,17 @@ def test_delayed_scaling_updates_the_scales_once_per_run_of_fp8_layers(contract,
         update(forward=forward)
 
     monkeypatch.setattr(FP8GlobalStateManager, "reduce_and_update_fp8_tensors", staticmethod(counted_update))
+    return updates
+
+
+@pytest.mark.requires_fp8
+def test_delayed_scaling_updates_the_scales_once_per_run_of_fp8_layers(contract, monkeypatch):
+    """DelayedScaling updates every amax history and scale of the model at each exit from an outermost TE autocast (and
+    at the end of the backward of each autocast region): once per run of FP8 layers, not once per layer
+    (layer_autocast.py). Before, a model with L FP8 layers rolled each amax history L times per step."""
+    from transformer_engine.common import recipe
+
+    updates = _count_scale_updates(monkeypatch)
     _, bf16_model = torch_and_te_models(contract, contract.te_hf_model())
     layers = bf16_model.config.num_hidden_layers
     assert layers >= 4
@@ -334,19 +341,11 @@ def test_activation_recompute_keeps_delayed_scaling_updates_once_per_step(contra
     the plain run does (``te.distributed.checkpoint`` of TE 2.20 updates them once more per recomputed layer in
     backward), and three steps leave the plain run's histories: the same rows filled, amaxes and scales within the
     backward kernels' run-to-run differences (TE's attention is built deterministic here)."""
-    from transformer_engine.pytorch.quantization import FP8GlobalStateManager
 
     if not supports_recompute(contract):
         pytest.skip(f"{contract.name} has no activation recompute")
     monkeypatch.setenv("NVTE_ALLOW_NONDETERMINISTIC_ALGO", "0")  # read when TE's attention is built
-    updates = []
-    update = FP8GlobalStateManager.reduce_and_update_fp8_tensors
-
-    def counted_update(forward: bool = True) -> None:
-        updates.append("forward" if forward else "backward")
-        update(forward=forward)
-
-    monkeypatch.setattr(FP8GlobalStateManager, "reduce_and_update_fp8_tensors", staticmethod(counted_update))
+    updates = _count_scale_updates(monkeypatch)
     _, bf16_model = torch_and_te_models(contract, contract.te_hf_model())
     layers = bf16_model.config.num_hidden_layers
     config = type(bf16_model.config)(**{**bf16_model.config.to_dict(), "layer_precision": ["fp8"] * layers})
