@@ -340,7 +340,6 @@ def test_activation_recompute_keeps_delayed_scaling_updates_once_per_step(contra
     the plain run does (``te.distributed.checkpoint`` of TE 2.20 updates them once more per recomputed layer in
     backward), and three steps leave the plain run's histories: the same rows filled, amaxes and scales within the
     backward kernels' run-to-run differences (TE's attention is built deterministic here)."""
-
     if not supports_recompute(contract):
         pytest.skip(f"{contract.name} has no activation recompute")
     monkeypatch.setenv("NVTE_ALLOW_NONDETERMINISTIC_ALGO", "0")  # read when TE's attention is built
