@@ -217,7 +217,7 @@ def load_model_config(cfg: DictConfig, fp8_config, fp4_config) -> tuple[Pretrain
         )
     plan = build_quantization(fp8_config, fp4_config, config.num_hidden_layers)
     config.layer_precision = plan.layer_precision
-    keep_fused_layers_only_where_they_run(cfg, config)  # FP8/FP4, CP or compile: TE's layers, one warning
+    keep_fused_layers_only_where_they_run(cfg, config)  # FP4/MXFP8, CP or compile: TE's layers, one warning
     try:
         family.validate(config)
     except ValueError as error:

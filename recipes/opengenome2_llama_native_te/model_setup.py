@@ -81,7 +81,7 @@ def load_model_config(cfg: DictConfig) -> tuple[NVLlamaConfig, QuantizationPlan]
     fp8_config, fp4_config = OmegaConf.to_container(cfg.fp8_config), OmegaConf.to_container(cfg.fp4_config)
     plan = build_quantization(fp8_config, fp4_config, config.num_hidden_layers)
     config.layer_precision = plan.layer_precision
-    keep_fused_layers_only_where_they_run(cfg, config)  # FP8/FP4, CP or compile: TE's layers, one warning
+    keep_fused_layers_only_where_they_run(cfg, config)  # FP4/MXFP8, CP or compile: TE's layers, one warning
     config.validate_nv_llama()
     return config, plan
 
@@ -108,7 +108,13 @@ def build_model(cfg: DictConfig, device: torch.device, meshes: Meshes, strategy:
         model.to(torch.bfloat16)  # bf16 weights and optimizer state: less memory, no fp32 master copy
     model_flops = ModelFlops.from_model(model, config.num_hidden_layers, config.hidden_size)
     millions = sum(p.numel() for p in model.parameters()) / 1e6
-    logger.info("Model: %s backend, %.1fM parameters%s", model.backend, millions, recompute_note(config))
+    fused = model.backend == "te" and config.fused_residual_norm  # after fused_layer_choice may have turned it off
+    layers = (
+        " (FusedResidualTransformerLayer: residual adds in the RMSNorm kernels, RoPE in the QKV buffer)"
+        if fused
+        else ""
+    )
+    logger.info("Model: %s backend%s, %.1fM parameters%s", model.backend, layers, millions, recompute_note(config))
     logger.info("Per-layer precision: %s", config.layer_precision or "bf16 everywhere")
 
     if meshes.cp is not None:

@@ -82,11 +82,30 @@ def test_te_backend_learns(tmp_path, script, overrides):
     assert_validation_is_the_exports(tmp_path, settings["input_format"], int(settings.get("micro_batch_size", 1)))
 
 
+FUSED_LAYERS_LOG = "(FusedResidualTransformerLayer: residual adds in the RMSNorm kernels, RoPE in the QKV buffer)"
+
+
 @pytest.mark.requires_fp8
-@pytest.mark.parametrize("recipe", ["Float8CurrentScaling", "Float8BlockScaling"])
-def test_fp8_learns(tmp_path, recipe):
+@pytest.mark.parametrize(
+    ("recipe", "layers"),
+    [
+        ("Float8CurrentScaling", "te"),
+        ("Float8BlockScaling", "te"),
+        # The fused layers in FP8, as L1_1B_perf and og2_1b_thd build them with fp8_config.enabled=true.
+        ("DelayedScaling", "fused"),
+        ("Float8CurrentScaling", "fused"),
+    ],
+)
+def test_fp8_learns(tmp_path, recipe, layers):
     overrides = ["fp8_config.enabled=true", f"fp8_config.fp8_recipe={recipe}", "+model_config_overrides.backend=te"]
-    assert_learned(train_on_gpu("train_fsdp2.py", tmp_path, *overrides, VALIDATE), threshold=1.3)
+    if layers == "fused":
+        overrides.append("+model_config_overrides.fused_residual_norm=true")
+    args = [f"output_dir={tmp_path}", *FAST, "num_train_steps=80", *overrides, VALIDATE]
+    log = run_script("train_fsdp2.py", *args, cpu_only=False)
+    log = log.stdout + log.stderr
+    assert (FUSED_LAYERS_LOG in log) == (layers == "fused"), log[-3000:]  # no fallback to TE's layers
+    assert "fused_residual_norm is off" not in log, log[-3000:]
+    assert_learned(read_metrics(tmp_path), threshold=1.3)
     held_out = read_metrics(tmp_path, "validation.jsonl")  # the held-out pass under FP8 (no_grad, eval)
     assert [v["step"] for v in held_out] == [40, 80], held_out
     assert held_out[1]["val_loss"] < min(held_out[0]["val_loss"], 1.386), held_out  # below ln 4: uses context

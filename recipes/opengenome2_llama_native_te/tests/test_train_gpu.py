@@ -54,20 +54,26 @@ def test_te_backend_fsdp2_learns_and_exports(tmp_path, weights):
 
 
 @pytest.mark.requires_fp8
-def test_fp8_with_first_and_last_layers_in_bf16_learns(tmp_path):
-    """4 layers, keep_first_last_bf16=1: layers 2 and 3 in FP8 (Float8CurrentScaling: the tiny shape's FFN width 448
-    is not a multiple of the 128-wide blocks of Float8BlockScaling)."""
+@pytest.mark.parametrize(("recipe", "layers"), [("Float8CurrentScaling", "te"), ("DelayedScaling", "fused")])
+def test_fp8_with_first_and_last_layers_in_bf16_learns(tmp_path, recipe, layers):
+    """4 layers, keep_first_last_bf16=1: layers 2 and 3 in FP8 (not Float8BlockScaling: the tiny shape's FFN width 448
+    is not a multiple of its 128-wide blocks), with TE's layers or with the fused layers og2_1b_thd builds, whose
+    bf16 and FP8 layers then sit in one stack."""
     overrides = [
         f"output_dir={tmp_path}",
         *GPU_STEPS,
         "+model_config_overrides.backend=te",
         "+model_config_overrides.num_hidden_layers=4",
+        f"+model_config_overrides.fused_residual_norm={str(layers == 'fused').lower()}",
         "fp8_config.enabled=true",
-        "fp8_config.fp8_recipe=Float8CurrentScaling",
+        f"fp8_config.fp8_recipe={recipe}",
         "fp8_config.keep_first_last_bf16=1",
     ]
     result = run_script("train_fsdp2.py", *overrides, cpu_only=False)
-    assert "Per-layer precision: [None, 'fp8', 'fp8', None]" in result.stdout + result.stderr
+    log = result.stdout + result.stderr
+    assert "Per-layer precision: [None, 'fp8', 'fp8', None]" in log
+    assert ("(FusedResidualTransformerLayer:" in log) == (layers == "fused"), log[-3000:]
+    assert "fused_residual_norm is off" not in log, log[-3000:]
     metrics = read_jsonl(tmp_path / "metrics.jsonl")
     assert metrics[-1]["loss"] < 1.3, [round(m["loss"], 3) for m in metrics]
     exported = json.loads((tmp_path / "final_model" / "config.json").read_text())
