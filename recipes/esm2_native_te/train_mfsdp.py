@@ -17,6 +17,7 @@ import torch
 from checkpoint import Checkpointer, export_final_model, gather_full_state_dict
 from dataset import create_dataloader
 from distributed import Meshes, cleanup_distributed, move_to_device, setup_distributed
+from fp8_calibration import calibrate_on_first_batch
 from grad_accumulation import count_targets, token_weights
 from grad_clipping import clip_grad_norm_and_step
 from model_families import load_tokenizer
@@ -110,6 +111,21 @@ def main(cfg: DictConfig) -> None:
     perf = PerfLogger(cfg, built.model_flops, tokenizer.pad_token_id, start_step, config_name=config_name())
     profiler = Profiler(cfg.profiler, cfg.output_dir)
     built.train_model.train()
+
+    # DelayedScaling: every FP8 scale set on the first batch before step 1, instead of the first steps' gradients being
+    # cast with scales of 1 (fp8_calibration.py); the passes' gradients are discarded and the RNG state kept.
+    batches = calibrate_on_first_batch(
+        cfg.fp8_config.calibrate_delayed_scaling,
+        built.plan.fp8_recipe,
+        model,
+        optimizer,
+        batches,
+        loss_of=lambda batch: (
+            built.train_model(**move_to_device(with_labeled_token_index(batch), device), labeled_logits_only=True).loss
+        ),
+        grad_acc_steps=cfg.grad_acc_steps,
+    )
+
     step = start_step
     for step in range(start_step + 1, cfg.num_train_steps + 1):
         with profiler.step_context(step):

@@ -21,6 +21,7 @@ from collator import pad_token_id
 from context_parallel import shard_for_context_parallel
 from dataset import create_dataloader, held_out_batches
 from distributed import build_meshes, cleanup_distributed, move_to_device, setup_distributed
+from fp8_calibration import calibrate_on_first_batch
 from grad_accumulation import count_targets, token_weights
 from grad_clipping import clip_grad_norm_and_step
 from model_setup import build_model
@@ -96,6 +97,21 @@ def main(cfg: DictConfig) -> None:
     )
     profiler = Profiler(cfg.profiler, cfg.output_dir)
     built.train_model.train()
+
+    # DelayedScaling: every FP8 scale set on the first batch before step 1, instead of the first steps' gradients being
+    # cast with scales of 1 (fp8_calibration.py); the passes' gradients are discarded and the RNG state kept.
+    batches = calibrate_on_first_batch(
+        cfg.fp8_config.calibrate_delayed_scaling,
+        built.plan.fp8_recipe,
+        model,
+        optimizer,
+        batches,
+        loss_of=lambda batch: (
+            built.train_model(**move_to_device(shard_for_context_parallel(batch, cp_rank, cfg.cp_size), device)).loss
+        ),
+        grad_acc_steps=cfg.grad_acc_steps,
+    )
+
     step = start_step
     for step in range(start_step + 1, cfg.num_train_steps + 1):
         with profiler.step_context(step):

@@ -17,6 +17,7 @@ from checkpoint import Checkpointer, export_final_model, gather_full_state_dict
 from collator import pad_token_id
 from dataset import create_dataloader, held_out_batches
 from distributed import cleanup_distributed, move_to_device, setup_distributed
+from fp8_calibration import calibrate_on_first_batch
 from grad_accumulation import count_targets, token_weights
 from grad_clipping import clip_grad_norm_and_step
 from mixed_precision import computes_in_bf16
@@ -77,6 +78,23 @@ def main(cfg: DictConfig) -> None:
     perf = PerfLogger(cfg, built.model_flops, pad_token_id(tokenizer), start_step, config_name=config_name())
     profiler = Profiler(cfg.profiler, cfg.output_dir)
     built.train_model.train()
+
+    def first_batch_loss(batch):  # as the loop computes a micro-batch's loss
+        with torch.autocast(device.type, dtype=torch.bfloat16, enabled=use_bf16):
+            return built.train_model(**move_to_device(batch, device)).loss
+
+    # DelayedScaling: every FP8 scale set on the first batch before step 1, instead of the first steps' gradients being
+    # cast with scales of 1 (fp8_calibration.py); the passes' gradients are discarded and the RNG state kept.
+    batches = calibrate_on_first_batch(
+        cfg.fp8_config.calibrate_delayed_scaling,
+        built.plan.fp8_recipe,
+        model,
+        optimizer,
+        batches,
+        loss_of=first_batch_loss,
+        grad_acc_steps=cfg.grad_acc_steps,
+    )
+
     step = start_step
     for step in range(start_step + 1, cfg.num_train_steps + 1):
         with profiler.step_context(step):

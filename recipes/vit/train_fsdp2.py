@@ -19,6 +19,7 @@ from checkpoint import Checkpointer, export_final_model, gather_full_state_dict
 from dataset import create_dataloaders
 from distributed import build_meshes, cleanup_distributed, move_to_device, setup_distributed
 from evaluation import BestModel, ValidationLog, evaluate
+from fp8_calibration import calibrate_on_first_batch
 from grad_clipping import clip_grad_norm_and_step
 from image_throughput import add_images_per_second, token_grid
 from model_setup import build_model, image_processor, model_image_size
@@ -72,6 +73,19 @@ def main(cfg: DictConfig) -> None:
     perf = PerfLogger(cfg, built.model_flops, pad_token_id=-1, start_step=start_step, config_name=config_name())
     profiler = Profiler(cfg.profiler, cfg.output_dir)
     built.train_model.train()
+
+    # DelayedScaling: every FP8 scale set on the first batch before step 1, instead of the first steps' gradients being
+    # cast with scales of 1 (fp8_calibration.py); the passes' gradients are discarded and the RNG state kept.
+    batches = calibrate_on_first_batch(
+        cfg.fp8_config.calibrate_delayed_scaling,
+        built.plan.fp8_recipe,
+        model,
+        optimizer,
+        batches,
+        loss_of=lambda batch: built.train_model(**move_to_device(batch, device)).loss,
+        grad_acc_steps=cfg.grad_acc_steps,
+    )
+
     step = start_step
     for step in range(start_step + 1, cfg.num_train_steps + 1):
         with profiler.step_context(step):

@@ -5,6 +5,7 @@ with the checkpoint's logits.
 """
 
 import json
+import re
 from pathlib import Path
 
 import pytest
@@ -105,6 +106,8 @@ def test_fp8_learns(tmp_path, recipe, layers):
     log = log.stdout + log.stderr
     assert (FUSED_LAYERS_LOG in log) == (layers == "fused"), log[-3000:]  # no fallback to TE's layers
     assert "fused_residual_norm is off" not in log, log[-3000:]
+    if recipe == "DelayedScaling":  # fp8_calibration.py: every gradient scale set before step 1, 4 GEMMs x 2 layers
+        assert re.search(r"DelayedScaling: [2-5] forward/backward passes .* set 8 gradient scales before step 1", log)
     assert_learned(read_metrics(tmp_path), threshold=1.3)
     held_out = read_metrics(tmp_path, "validation.jsonl")  # the held-out pass under FP8 (no_grad, eval)
     assert [v["step"] for v in held_out] == [40, 80], held_out

@@ -6,6 +6,7 @@ FP8 run must put exactly the layers the config asks for in FP8.
 """
 
 import json
+import re
 
 import pytest
 from launch import run_script
@@ -74,6 +75,8 @@ def test_fp8_with_first_and_last_layers_in_bf16_learns(tmp_path, recipe, layers)
     assert "Per-layer precision: [None, 'fp8', 'fp8', None]" in log
     assert ("(FusedResidualTransformerLayer:" in log) == (layers == "fused"), log[-3000:]
     assert "fused_residual_norm is off" not in log, log[-3000:]
+    if recipe == "DelayedScaling":  # fp8_calibration.py: every gradient scale set before step 1, 4 GEMMs x 2 layers
+        assert re.search(r"DelayedScaling: [2-5] forward/backward passes .* set 8 gradient scales before step 1", log)
     metrics = read_jsonl(tmp_path / "metrics.jsonl")
     assert metrics[-1]["loss"] < 1.3, [round(m["loss"], 3) for m in metrics]
     exported = json.loads((tmp_path / "final_model" / "config.json").read_text())
