@@ -20,6 +20,7 @@ import logging
 import lightning as L
 import numpy as np
 import torch
+from fp8_calibration import calibrate_delayed_scaling, uses_delayed_scaling
 from lightning.pytorch.strategies import FSDPStrategy, ModelParallelStrategy
 from model_setup import (
     build_model,
@@ -62,6 +63,11 @@ class EncodonModule(L.LightningModule):
         self.model_flops = None
         self.last_grad_norm: torch.Tensor | None = None  # before clipping, of the last optimizer step
         self._rng_step, self._micro_batch = -1, 0
+        # DelayedScaling: FP8 scales set on the fit's first batch before it trains (fp8_calibration.py).
+        self._calibrate_fp8_scales = bool(cfg.fp8_config.get("calibrate_delayed_scaling", True)) and (
+            uses_delayed_scaling(self.plan.fp8_recipe)
+        )
+        self._calibrating = False  # the calibration passes run training_step: no logging then
         self.strict_loading = False  # checkpoints leave TE's _extra_state out; on_load_checkpoint checks the names
 
     # ------------------------------------------------------------------------------------------- building
@@ -107,10 +113,31 @@ class EncodonModule(L.LightningModule):
         self.last_grad_norm = norm.detach()
 
     def on_train_batch_start(self, batch, batch_idx) -> None:
+        if self._calibrate_fp8_scales:
+            self._calibrate_fp8_scales = False
+            self._calibrate_delayed_scaling(batch, batch_idx)
         step = self.trainer.global_step
         self._micro_batch = self._micro_batch + 1 if step == self._rng_step else 0
         self._rng_step = step
         torch.manual_seed(dropout_seed(self.cfg.seed, step, self._micro_batch, self.global_rank))
+
+    def _calibrate_delayed_scaling(self, batch, batch_idx) -> None:
+        """Forward/backward passes on this batch through the strategy (DDP/FSDP wrapper, precision context), the
+        loss divided as Lightning divides it over accumulated micro-batches; the gradients are discarded."""
+
+        def forward_backward() -> None:
+            loss = self.trainer.strategy.training_step(batch, batch_idx)
+            (loss / self.trainer.accumulate_grad_batches).backward()
+
+        self._calibrating = True
+        try:
+            calibrate_delayed_scaling(self.model, forward_backward, zero_grad=lambda: self.zero_grad(set_to_none=True))
+        finally:
+            self._calibrating = False
+
+    def log_training_loss(self, loss: torch.Tensor) -> None:
+        if not self._calibrating:
+            self.log("train_loss", loss.detach(), on_step=True, on_epoch=False)
 
     def on_save_checkpoint(self, checkpoint: dict) -> None:
         # The model's shape travels with its weights: fine-tuning and predict.py rebuild it from the checkpoint alone.
@@ -158,7 +185,7 @@ class EncodonPretrainModule(EncodonModule):
     def training_step(self, batch: dict, batch_idx: int) -> torch.Tensor:
         # The head runs only on the masked codons: the loss is the same, without logits nobody reads.
         loss = self.model(**batch, labeled_logits_only=True).loss
-        self.log("train_loss", loss.detach(), on_step=True, on_epoch=False)
+        self.log_training_loss(loss)
         return loss
 
     def validation_step(self, batch: dict, batch_idx: int) -> None:
@@ -193,7 +220,7 @@ class EncodonFinetuneModule(EncodonModule):
 
     def training_step(self, batch: dict, batch_idx: int) -> torch.Tensor:
         loss = self.model(**batch).loss
-        self.log("train_loss", loss.detach(), on_step=True, on_epoch=False)
+        self.log_training_loss(loss)
         return loss
 
     def validation_step(self, batch: dict, batch_idx: int) -> None:

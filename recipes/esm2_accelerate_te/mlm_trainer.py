@@ -9,11 +9,15 @@ learning-rate schedule, and the masked-LM loss over several micro-batches.
 - Loss: :func:`masked_lm_loss`, the Trainer's ``compute_loss_func``: the summed cross-entropy of a micro-batch over
   the masked tokens of the whole optimizer step (all micro-batches, all processes), so ``grad_acc_steps`` micro-batches
   give the gradient of one batch holding all of them, whatever number of tokens the masking picked in each.
+- FP8 with DelayedScaling: before the first micro-batch of a launch trains, forward/backward passes on it set every
+  FP8 scale (fp8_calibration.py: otherwise the first steps' gradients are cast with scales of 1); their gradients are
+  discarded.
 """
 
 import torch
 import torch.nn.functional as F
 from accelerate.utils import AutocastKwargs
+from fp8_calibration import calibrate_delayed_scaling
 from perf_logger import PerfLogger
 from scheduler import get_linear_schedule_with_warmup
 from transformers import Trainer
@@ -45,10 +49,18 @@ class MaskedLMTrainer(Trainer):
         perf: counts each micro-batch's tokens and the step's loss; ``PerfCallback`` logs them.
         autocast: let accelerate run the forward under ``torch.autocast`` for bf16 (its default). False where the
             model computes in bf16 without it (FSDP2's MixedPrecisionPolicy casts the weights of each layer).
+        calibrate_fp8_scales: the model's FP8 layers use DelayedScaling and ``calibrate_delayed_scaling`` is on.
     """
 
     def __init__(
-        self, *args, train_dataloader, lr_scheduler_kwargs: dict, perf: PerfLogger, autocast: bool = True, **kwargs
+        self,
+        *args,
+        train_dataloader,
+        lr_scheduler_kwargs: dict,
+        perf: PerfLogger,
+        autocast: bool = True,
+        calibrate_fp8_scales: bool = False,
+        **kwargs,
     ):
         self.autocast = autocast  # read while super().__init__ builds the Accelerator
         super().__init__(*args, compute_loss_func=masked_lm_loss, **kwargs)
@@ -57,6 +69,7 @@ class MaskedLMTrainer(Trainer):
         self.perf = perf
         self.step_loss: torch.Tensor | None = None  # this optimizer step's loss so far, on the device
         self._flops_per_token: int | None = None
+        self.calibrate_fp8_scales = calibrate_fp8_scales  # before this launch's first micro-batch trains
 
     def _build_accelerator_args(self, **kwargs):
         args = super()._build_accelerator_args(**kwargs)
@@ -99,6 +112,14 @@ class MaskedLMTrainer(Trainer):
         return self.lr_scheduler
 
     def training_step(self, model, inputs, num_items_in_batch=None):
+        if self.calibrate_fp8_scales:
+            self.calibrate_fp8_scales = False
+            # The Trainer's own forward and backward of this micro-batch (its loss weight, autocast, gradient sync).
+            calibrate_delayed_scaling(
+                self.model,
+                forward_backward=lambda: super(MaskedLMTrainer, self).training_step(model, inputs, num_items_in_batch),
+                zero_grad=lambda: model.zero_grad(set_to_none=True),
+            )
         self.perf.count_batch(inputs)  # on the device already (get_batch_samples): the counters stay there
         loss = super().training_step(model, inputs, num_items_in_batch)
         self.step_loss = loss if self.step_loss is None else self.step_loss + loss

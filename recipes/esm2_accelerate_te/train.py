@@ -17,6 +17,7 @@ from callbacks import DataPositionCallback, FinalCheckpointCallback, PerfCallbac
 from checkpoints import checkpoint_step, restore_data_position, resume_checkpoint
 from dataset import create_dataloader
 from export import export_final_model
+from fp8_calibration import uses_delayed_scaling
 from launch_settings import (
     LaunchSettings,
     check_launch,
@@ -91,6 +92,7 @@ def main(cfg: DictConfig) -> None:
         # Under FSDP2 the layers already compute in bf16 (FSDP2 casts the fp32 weights, as in the native recipe's
         # train_fsdp2.py); accelerate's autocast on top would only add per-op overhead. DDP needs it for bf16.
         autocast=not (launch.fsdp and cfg.model_implementation == "nv"),
+        calibrate_fp8_scales=cfg.calibrate_delayed_scaling and uses_delayed_scaling(built.plan.fp8_recipe),
     )
     trainer.remove_callback(PrinterCallback)  # PerfCallback prints one line per logging step instead
     trainer.add_callback(PerfCallback(trainer, perf, cfg.logger.log_every, fp8_requested=fp8_config["enabled"]))

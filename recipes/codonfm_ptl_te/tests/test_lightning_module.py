@@ -2,17 +2,22 @@
 autocast for DDP, FSDP2's MixedPrecisionPolicy), FSDP2 computes with bf16 weights over fp32 shards, and dropout seeds
 depend on step, micro-batch and rank."""
 
+import json
+import logging
 import os
 
+import lightning as L
 import pytest
 import torch
 import torch.distributed as dist
+from datamodule import CodonDataModule
 from hydra import compose, initialize_config_dir
 from launch import RECIPE_DIR
-from lightning_module import dropout_seed
+from lightning_module import dropout_seed, module_for
 from model_setup import build_model, fsdp2_policy, load_model_config, shard_with_fsdp2
 from modeling_codonfm_te import EncodonLayer
 from torch.distributed.device_mesh import init_device_mesh
+from trainer_setup import build_trainer
 
 
 def l0_config(*overrides: str):
@@ -94,3 +99,34 @@ def test_the_l0_configs_are_tiny_and_cpu_friendly():
             cfg = compose(config_name=name, overrides=["output_dir=unused"])
         assert cfg.trainer.precision == "32-true" and cfg.strategy == "ddp"
         assert cfg.model_config_overrides.hidden_size == 128 and os.path.isfile(RECIPE_DIR / cfg.data.train_path)
+
+
+def fit_l0_steps(output_dir, calibrate: bool) -> list[dict]:
+    """Three logged steps of the L0 pre-training run in this process, with the DelayedScaling calibration forced on
+    (``calibrate``; on the CPU no FP8 scale exists, so its passes run and set nothing) or off."""
+    cfg = l0_config(
+        f"output_dir={output_dir}",
+        "num_train_steps=3",
+        "logger.log_every=1",
+        "trainer.accumulate_grad_batches=2",
+        "model_config_overrides.hidden_dropout_prob=0.1",  # so that a shifted RNG would show in the losses
+        "checkpoint.save_final=false",
+        "export_final_model=false",
+    )
+    L.seed_everything(cfg.seed, workers=True, verbose=False)
+    module = module_for(cfg)
+    module._calibrate_fp8_scales = calibrate  # as a DelayedScaling plan with calibrate_delayed_scaling=true sets it
+    build_trainer(cfg).fit(module, datamodule=CodonDataModule(cfg.data))
+    return [json.loads(line) for line in (output_dir / "metrics.jsonl").read_text().splitlines()]
+
+
+def test_the_calibration_passes_run_through_the_strategy_and_leave_the_run_unchanged(tmp_path, caplog):
+    """The passes (fp8_calibration.py) run the first micro-batch's training_step through Lightning's strategy and
+    backward, then discard the gradients and restore the RNG (dropout on): the run's losses and gradient
+    norms are those of a run without them."""
+    plain = fit_l0_steps(tmp_path / "plain", calibrate=False)
+    with caplog.at_level(logging.INFO):
+        calibrated = fit_l0_steps(tmp_path / "calibrated", calibrate=True)
+    assert "DelayedScaling: 2 forward/backward passes on the first batch" in caplog.text
+    assert [m["step"] for m in plain] == [1, 2, 3]
+    assert [(m["loss"], m["grad_norm"]) for m in calibrated] == [(m["loss"], m["grad_norm"]) for m in plain]

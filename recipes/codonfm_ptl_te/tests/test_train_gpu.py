@@ -8,6 +8,7 @@ of a tiny model plus start-up), so the one-GPU tests take about 10 minutes; the 
 """
 
 import json
+import re
 
 import pytest
 import torch
@@ -125,8 +126,16 @@ def test_te_activation_recompute_trains_exactly_like_keeping_activations(tmp_pat
 @pytest.mark.parametrize("recipe", ["DelayedScaling", "Float8BlockScaling"])
 def test_fp8_layers_learn(tmp_path, recipe):
     """Every layer in FP8 (the model's own te.autocast per layer), inside Lightning's bf16 autocast; THD batches are
-    padded to 16 tokens by the model."""
-    summary = train_on_gpu(tmp_path, *TE, "fp8_config.enabled=true", f"fp8_config.fp8_recipe={recipe}")
+    padded to 16 tokens by the model. DelayedScaling first sets the 4 quantized gradients' scales (QKV, proj, fc1,
+    fc2) of both layers on the first batch (fp8_calibration.py)."""
+    fp8 = ["fp8_config.enabled=true", f"fp8_config.fp8_recipe={recipe}"]
+    result = run_script("train.py", f"output_dir={tmp_path}", *TE, *fp8, cpu_only=False, timeout=600)
+    log = result.stdout + result.stderr
+    calibrated = re.search(
+        r"DelayedScaling: [2-5] forward/backward passes .* set 8 gradient scales before step 1", log
+    )
+    assert bool(calibrated) == (recipe == "DelayedScaling"), log[-3000:]
+    summary = json.loads((tmp_path / "summary.json").read_text())
     assert summary["fp8_layers"] == [1, 2]
     final = final_val_loss(tmp_path)
     assert final < OPTIMUM + 0.5 and final < UNIGRAM_ENTROPY - 3.0, final

@@ -6,6 +6,7 @@ the trained weights, FP8 that really ran (TE recorded FP8 amax values), and the 
 """
 
 import os
+import re
 from pathlib import Path
 
 import pytest
@@ -121,8 +122,15 @@ def test_fp8_really_runs_and_learns(tmp_path, config_file, num_processes):
 @pytest.mark.requires_fp8
 def test_fp8_on_chosen_layers_runs_fp8_only_there(tmp_path):
     """``fp8_layers=[2,3]`` with an FP8 launch: exactly the 3 FP8 modules of each of those 2 layers recorded amax
-    values (6 of the 8M model's 18), the other layers ran bf16, and the model learns."""
-    metrics = train_on_gpu("fp8.yaml", tmp_path, "dataset.input_format=thd", "fp8_layers=[2,3]")
+    values (6 of the 8M model's 18), the other layers ran bf16, and the model learns. Before step 1 the Trainer's
+    first micro-batch set the scales of those layers' 4 quantized gradients each (QKV, proj, fc1, fc2;
+    fp8_calibration.py)."""
+    schedule = [f"output_dir={tmp_path}", "num_train_steps=100", "logger.log_every=10"]
+    result = accelerate_launch("fp8.yaml", *schedule, "dataset.input_format=thd", "fp8_layers=[2,3]", cpu_only=False)
+    log = result.stdout + result.stderr
+    calibrated = r"DelayedScaling: [2-5] forward/backward passes .* set 8 gradient scales before step 1"
+    assert re.search(calibrated, log), log[-3000:]
+    metrics = read_metrics(tmp_path)
     assert_learned(metrics)
     assert read_summary(tmp_path)["fp8_modules_with_amax"] == 6
     assert_export_loads(tmp_path, step=100)
