@@ -126,7 +126,8 @@ def test_fp8_on_chosen_layers_runs_fp8_only_there(tmp_path):
     first micro-batch set the scales of those layers' 4 quantized gradients each (QKV, proj, fc1, fc2;
     fp8_calibration.py)."""
     schedule = [f"output_dir={tmp_path}", "num_train_steps=100", "logger.log_every=10"]
-    result = accelerate_launch("fp8.yaml", *schedule, "dataset.input_format=thd", "fp8_layers=[2,3]", cpu_only=False)
+    fp8 = ["fp8_layers=[2,3]", "calibrate_delayed_scaling=true"]
+    result = accelerate_launch("fp8.yaml", *schedule, "dataset.input_format=thd", *fp8, cpu_only=False)
     log = result.stdout + result.stderr
     calibrated = r"DelayedScaling: [2-5] forward/backward passes .* set 8 gradient scales before step 1"
     assert re.search(calibrated, log), log[-3000:]
