@@ -109,7 +109,7 @@ def fit_l0_steps(output_dir, calibrate: bool) -> list[dict]:
         "num_train_steps=3",
         "logger.log_every=1",
         "trainer.accumulate_grad_batches=2",
-        "model_config_overrides.hidden_dropout_prob=0.1",  # so that a shifted RNG would show in the losses
+        "model_config_overrides.hidden_dropout_prob=0.1",  # the passes run with dropout, as training does
         "checkpoint.save_final=false",
         "export_final_model=false",
     )
@@ -122,8 +122,10 @@ def fit_l0_steps(output_dir, calibrate: bool) -> list[dict]:
 
 def test_the_calibration_passes_run_through_the_strategy_and_leave_the_run_unchanged(tmp_path, caplog):
     """The passes (fp8_calibration.py) run the first micro-batch's training_step through Lightning's strategy and
-    backward, then discard the gradients and restore the RNG (dropout on): the run's losses and gradient
-    norms are those of a run without them."""
+    backward inside the fit, and the run's losses and gradient norms are those of a run without them. (Lightning
+    itself zeroes the gradients before a step's first micro-batch and on_train_batch_start reseeds dropout after the
+    passes, so this checks the Lightning side; common/tests/test_fp8_calibration.py checks the discarding and the
+    RNG.)"""
     plain = fit_l0_steps(tmp_path / "plain", calibrate=False)
     with caplog.at_level(logging.INFO):
         calibrated = fit_l0_steps(tmp_path / "calibrated", calibrate=True)
