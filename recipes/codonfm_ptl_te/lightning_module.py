@@ -64,7 +64,7 @@ class EncodonModule(L.LightningModule):
         self.last_grad_norm: torch.Tensor | None = None  # before clipping, of the last optimizer step
         self._rng_step, self._micro_batch = -1, 0
         # DelayedScaling: FP8 scales set on the fit's first batch before it trains (fp8_calibration.py).
-        self._calibrate_fp8_scales = bool(cfg.fp8_config.get("calibrate_delayed_scaling", False)) and (
+        self._calibrate_fp8_scales = bool(cfg.fp8_config.get("calibrate_delayed_scaling", True)) and (
             uses_delayed_scaling(self.plan.fp8_recipe)
         )
         self._calibrating = False  # the calibration passes run training_step: no logging then

@@ -95,11 +95,14 @@ def calibrate_delayed_scaling(
                 max_passes,
                 calibrated,
             )
+    distributed = torch.distributed.is_available() and torch.distributed.is_initialized()
+    ranks = torch.distributed.get_world_size() if distributed else 1
     logger.info(
         "DelayedScaling: %d forward/backward passes on the first batch (gradients discarded) set %d gradient scales "
-        "before step 1",
+        "before step 1%s",
         passes,
         max(calibrated, 0),
+        f" (summed over {ranks} ranks)" if ranks > 1 else "",
     )
     return passes
 

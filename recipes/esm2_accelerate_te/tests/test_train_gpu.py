@@ -109,8 +109,14 @@ def _fp8_cases():
 @pytest.mark.parametrize(("config_file", "num_processes"), _fp8_cases())
 def test_fp8_really_runs_and_learns(tmp_path, config_file, num_processes):
     """With mixed_precision: fp8 the transformer layers run FP8 GEMMs (TE recorded amax values in every FP8 module),
-    not bf16 in disguise, and the model still learns."""
-    metrics = train_on_gpu(config_file, tmp_path, "dataset.input_format=thd", num_processes=num_processes)
+    not bf16 in disguise, and the model still learns. Both configs use DelayedScaling, so by default the launch's first
+    micro-batch set the 4 quantized gradients' scales (QKV, proj, fc1, fc2) of all 6 layers on every process first."""
+    schedule = [f"output_dir={tmp_path}", "num_train_steps=100", "logger.log_every=10", "dataset.input_format=thd"]
+    result = accelerate_launch(config_file, *schedule, num_processes=num_processes, cpu_only=False)
+    log = result.stdout + result.stderr
+    calibrated = rf"DelayedScaling: [2-5] forward/backward passes .* set {24 * num_processes} gradient scales before"
+    assert re.search(calibrated, log), log[-3000:]
+    metrics = read_metrics(tmp_path)
     assert_learned(metrics)
     summary = read_summary(tmp_path)
     assert summary["fp8_requested"] is True
@@ -123,11 +129,10 @@ def test_fp8_really_runs_and_learns(tmp_path, config_file, num_processes):
 def test_fp8_on_chosen_layers_runs_fp8_only_there(tmp_path):
     """``fp8_layers=[2,3]`` with an FP8 launch: exactly the 3 FP8 modules of each of those 2 layers recorded amax
     values (6 of the 8M model's 18), the other layers ran bf16, and the model learns. Before step 1 the Trainer's
-    first micro-batch set the scales of those layers' 4 quantized gradients each (QKV, proj, fc1, fc2;
-    fp8_calibration.py)."""
+    first micro-batch set the scales of only those layers' 4 quantized gradients each (QKV, proj, fc1, fc2;
+    fp8_calibration.py, on by default)."""
     schedule = [f"output_dir={tmp_path}", "num_train_steps=100", "logger.log_every=10"]
-    fp8 = ["fp8_layers=[2,3]", "calibrate_delayed_scaling=true"]
-    result = accelerate_launch("fp8.yaml", *schedule, "dataset.input_format=thd", *fp8, cpu_only=False)
+    result = accelerate_launch("fp8.yaml", *schedule, "dataset.input_format=thd", "fp8_layers=[2,3]", cpu_only=False)
     log = result.stdout + result.stderr
     calibrated = r"DelayedScaling: [2-5] forward/backward passes .* set 8 gradient scales before step 1"
     assert re.search(calibrated, log), log[-3000:]

@@ -93,7 +93,14 @@ def calibrate_on_two_ranks(rank: int, store: str, results) -> None:
     dist.init_process_group("gloo", init_method=f"file://{store}", rank=rank, world_size=2)
     try:
         model = chain_model(2 if rank == 0 else 4)  # rank 0 alone would stop after 3 passes, rank 1 after 5
-        results[rank] = calibrate_delayed_scaling(model, lambda: backward_pass(model), zero_grad=lambda: None)
+        messages = []
+        handler = logging.Handler()
+        handler.emit = lambda record: messages.append(record.getMessage())
+        calibration_logger = logging.getLogger(calibrate_delayed_scaling.__module__)
+        calibration_logger.setLevel(logging.INFO)
+        calibration_logger.addHandler(handler)
+        passes = calibrate_delayed_scaling(model, lambda: backward_pass(model), zero_grad=lambda: None)
+        results[rank] = (passes, messages[-1])
     finally:
         dist.destroy_process_group()
 
@@ -103,7 +110,9 @@ def test_every_rank_takes_the_same_number_of_passes(tmp_path):
     with mp.Manager() as manager:
         results = manager.dict()
         mp.spawn(calibrate_on_two_ranks, args=(str(tmp_path / "store"), results), nprocs=2, join=True)
-        assert dict(results) == {0: 5, 1: 5}
+        assert {rank: passes for rank, (passes, _) in results.items()} == {0: 5, 1: 5}
+        # 2 + 4 scales: the count the passes stop on is the sum over ranks, and the log says so
+        assert results[0][1].endswith("set 6 gradient scales before step 1 (summed over 2 ranks)"), results[0][1]
 
 
 def linear_model_and_optimizer():
