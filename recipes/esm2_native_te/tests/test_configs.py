@@ -3,6 +3,7 @@ exist. Hydra's struct mode only guards command-line overrides; a typo inside a Y
 in silently and ignored."""
 
 from pathlib import Path
+from types import SimpleNamespace
 
 import pytest
 from hydra import compose, initialize_config_dir
@@ -94,3 +95,27 @@ def test_recomputed_fp8_layers_with_delayed_scaling_are_planned(monkeypatch):
     cfg = _compose("L0_sanity", overrides)
     config = model_families.load_model_config(cfg, cfg.fp8_config, cfg.fp4_config)[0]
     assert (config.recompute_layers, config.layer_precision) == (3, plan.layer_precision)
+
+
+@pytest.mark.parametrize(
+    ("name", "expected"),
+    [("L1_650M", "DelayedScaling"), ("L1_3B", "DelayedScaling"), ("L0_sanity", "Float8BlockScaling")],
+)
+def test_fp8_on_the_benchmark_configs_is_delayed_scaling(monkeypatch, name, expected):
+    """``fp8_config.enabled=true`` on the 650M and 3B configs builds DelayedScaling (E4M3), the fastest Hopper FP8
+    recipe measured at their shapes (docs/benchmarks.md), with its scales set before step 1; other configs keep the
+    defaults' Float8BlockScaling. The recipe object is TE's on a GPU machine; here a stand-in records what was asked."""
+    import model_families
+    import quantization
+
+    built = []
+
+    def record_recipe(recipe_name, fp8_format, kwargs, allowed):
+        built.append((recipe_name, fp8_format, dict(kwargs or {})))
+        return SimpleNamespace(delayed=lambda: recipe_name == "DelayedScaling")
+
+    monkeypatch.setattr(quantization, "build_recipe", record_recipe)
+    cfg = _compose(name, ["fp8_config.enabled=true", "output_dir=unused"])
+    model_families.load_model_config(cfg, cfg.fp8_config, cfg.fp4_config)
+    assert built == [(expected, "E4M3", {})]
+    assert cfg.fp8_config.calibrate_delayed_scaling

@@ -4,6 +4,7 @@ overrides; a typo inside a YAML file would otherwise be merged in silently and i
 
 import importlib.util
 from pathlib import Path
+from types import SimpleNamespace
 
 import pytest
 from dataset import DEFAULTS
@@ -105,3 +106,26 @@ def test_keep_first_last_bf16_reaches_the_quantization_plan():
     cfg = _compose("L0_sanity", ["fp8_config.keep_first_last_bf16=1", "output_dir=unused"])
     with pytest.raises(ValueError, match="keep_first_last_bf16 is set but fp8_config.enabled is false"):
         load_model_config(cfg)
+
+
+@pytest.mark.parametrize(
+    ("name", "expected"), [("L1_1B_perf", ("DelayedScaling", "HYBRID")), ("L0_sanity", ("Float8BlockScaling", "E4M3"))]
+)
+def test_fp8_on_the_1b_benchmark_is_delayed_scaling_with_e5m2_gradients(monkeypatch, name, expected):
+    """``fp8_config.enabled=true`` on L1_1B_perf builds DelayedScaling with HYBRID (E5M2 gradients), the fastest
+    Hopper FP8 recipe measured at that shape (docs/benchmarks.md), with its scales set before step 1; other configs keep
+    the defaults' Float8BlockScaling. The recipe object is TE's on a GPU machine; here a stand-in records what was
+    asked."""
+    import quantization
+
+    built = []
+
+    def record_recipe(recipe_name, fp8_format, kwargs, allowed):
+        built.append((recipe_name, fp8_format, dict(kwargs or {})))
+        return SimpleNamespace(delayed=lambda: recipe_name == "DelayedScaling")
+
+    monkeypatch.setattr(quantization, "build_recipe", record_recipe)
+    cfg = _compose(name, ["fp8_config.enabled=true", "output_dir=unused"])
+    load_model_config(cfg)
+    assert built == [(*expected, {})]
+    assert cfg.fp8_config.calibrate_delayed_scaling

@@ -157,3 +157,23 @@ def test_mixed_precision_policy_keeps_fp32_masters_and_reduction():
     )
     fp32 = mixed_precision_policy(compose_config("L0_sanity").mixed_precision, torch.device("cpu"))  # bf16 is opt-in
     assert fp32.param_dtype is None and not fp32.cast_forward_inputs
+
+
+@pytest.mark.parametrize(
+    ("name", "expected"), [("og2_1b_thd", ("DelayedScaling", "HYBRID")), ("L0_sanity", ("Float8BlockScaling", "E4M3"))]
+)
+def test_fp8_on_og2_1b_is_delayed_scaling_with_e5m2_gradients(monkeypatch, name, expected):
+    """``fp8_config.enabled=true`` on og2_1b_thd builds DelayedScaling with HYBRID (E5M2 gradients), the fastest
+    Hopper FP8 recipe measured at that shape (docs/benchmarks.md), with its scales set before step 1; other configs
+    keep the defaults' Float8BlockScaling. A stand-in for TE's recipe records what was asked."""
+    built = []
+
+    def record_recipe(recipe_name, fp8_format, kwargs, allowed):
+        built.append((recipe_name, fp8_format, dict(kwargs or {})))
+        return SimpleNamespace(delayed=lambda: recipe_name == "DelayedScaling")
+
+    monkeypatch.setattr(quantization, "build_recipe", record_recipe)
+    cfg = compose_config(name, ["fp8_config.enabled=true"])
+    load_model_config(cfg)
+    assert built == [(*expected, {})]
+    assert cfg.fp8_config.calibrate_delayed_scaling
