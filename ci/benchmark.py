@@ -112,7 +112,11 @@ def describe(cfg: dict, accelerate_cfg: dict | None = None) -> dict:
         ):
             precision = precision.replace("layers all", "layers per fp8_layers/keep_first_last_bf16")
     elif fp8.get("enabled") or fp4.get("enabled"):
-        parts = [f"fp8 {fp8.get('fp8_recipe')} layers {fp8.get('fp8_layers') or 'all'}"] if fp8.get("enabled") else []
+        # E4M3 (the defaults') goes unnamed; HYBRID (E5M2 gradients) is named, as a config may set it silently.
+        fmt = f" {fp8['fp8_format']}" if fp8.get("fp8_format") not in (None, "E4M3") else ""
+        parts = (
+            [f"fp8 {fp8.get('fp8_recipe')}{fmt} layers {fp8.get('fp8_layers') or 'all'}"] if fp8.get("enabled") else []
+        )
         parts += [f"fp4 layers {fp4.get('fp4_layers') or 'all'}"] if fp4.get("enabled") else []
         precision = ", ".join(parts)
     elif "precision" in trainer:

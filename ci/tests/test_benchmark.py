@@ -106,6 +106,10 @@ def test_describe_reads_a_lightning_recipes_data_and_trainer_groups():
     assert described["precision"] == "bf16 (fp32 master weights)"
     fp8 = {**cfg, "fp8_config": {"enabled": True, "fp8_recipe": "Float8BlockScaling", "fp8_layers": None}}
     assert benchmark.describe(fp8)["precision"] == "fp8 Float8BlockScaling layers all"
+    hybrid = {**cfg, "fp8_config": {"enabled": True, "fp8_recipe": "DelayedScaling", "fp8_format": "HYBRID"}}
+    assert benchmark.describe(hybrid)["precision"] == "fp8 DelayedScaling HYBRID layers all"
+    e4m3 = {**cfg, "fp8_config": {"enabled": True, "fp8_recipe": "DelayedScaling", "fp8_format": "E4M3"}}
+    assert benchmark.describe(e4m3)["precision"] == "fp8 DelayedScaling layers all"
 
 
 def test_synthetic_codon_sequences_are_whole_codons():
