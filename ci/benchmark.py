@@ -164,9 +164,25 @@ def markdown_row(result: dict) -> str:
             f"; {result['images_per_second_per_gpu']:,.0f} images/s/GPU"
             if result.get("images_per_second_per_gpu")
             else ""
-        ),
+        )
+        + (f"; commit {result['commit']}" if result.get("commit") else "")
+        + (f"; {result['note']}" if result.get("note") else ""),
     ]
     return "| " + " | ".join(str(c) for c in cells) + " |"
+
+
+def source_commit() -> str | None:
+    """The commit of the code being measured, ``+dirty`` when tracked files differ from it; None outside a git
+    checkout (a copied working tree on a GPU machine), where the notes must name the commit by hand."""
+    try:
+        git = ["git", "-C", str(REPO_ROOT)]
+        head = subprocess.run([*git, "rev-parse", "--short", "HEAD"], capture_output=True, text=True, check=True)
+        changed = subprocess.run(
+            [*git, "status", "--porcelain", "--untracked-files=no"], capture_output=True, text=True
+        )
+    except (OSError, subprocess.CalledProcessError):
+        return None
+    return head.stdout.strip() + ("+dirty" if changed.stdout.strip() else "")
 
 
 def run_and_log(command: list[str], cwd: Path, log: Path) -> int:
@@ -272,10 +288,12 @@ def run_benchmark(args: argparse.Namespace) -> dict:
         "windows_in_medians": summary.get("logged_windows_in_medians"),
         "data": Path(args.data).name if args.data else f"synthetic {args.synthetic}",
         "gpu_memory_cap_gib": args.gpu_memory_gib,
+        "commit": source_commit(),
+        "note": args.note,
     }
 
 
-def main(argv: list[str] | None = None) -> None:
+def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--recipe", required=True, help="recipe folder, e.g. recipes/esm2_native_te")
     parser.add_argument("--entrypoint", default="train_fsdp2.py")
@@ -299,10 +317,21 @@ def main(argv: list[str] | None = None) -> None:
         "GPU? 78 stands for an 80 GB H100",
     )
     parser.add_argument("--output-dir", help="run directory (default: a temporary one)")
+    parser.add_argument("--note", help="appended to the row's notes (what the run compares, which lease, ...)")
     parser.add_argument("--json", type=Path, help="also write the result here")
     parser.add_argument("--markdown", type=Path, help="append the table row to this file (docs/benchmarks.md)")
-    args = parser.parse_args(argv)
+    return parser
 
+
+def append_row(markdown: Path, row: str) -> None:
+    """Append ``row`` to the results table in ``markdown`` and redraw the chart beside it (same name, ``.svg``)."""
+    with markdown.open("a") as handle:
+        handle.write(row + "\n")
+    markdown.with_suffix(".svg").write_text(render_svg(read_results(markdown.read_text())))
+
+
+def main(argv: list[str] | None = None) -> None:
+    args = build_parser().parse_args(argv)
     result = run_benchmark(args)
     row = markdown_row(result)
     print(json.dumps(result, indent=2))
@@ -310,10 +339,7 @@ def main(argv: list[str] | None = None) -> None:
     if args.json:
         args.json.write_text(json.dumps(result, indent=2) + "\n")
     if args.markdown:
-        with args.markdown.open("a") as handle:
-            handle.write(row + "\n")
-        chart = args.markdown.with_suffix(".svg")
-        chart.write_text(render_svg(read_results(args.markdown.read_text())))  # the chart follows the table
+        append_row(args.markdown, row)
 
 
 if __name__ == "__main__":

@@ -1,6 +1,7 @@
 """ci/benchmark.py: the synthetic data, the table row, and one real (tiny, CPU) run of a recipe entrypoint."""
 
 import json
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -233,3 +234,19 @@ def test_gpu_memory_cap_without_a_gpu_ends_the_benchmark_in_one_error_line(tmp_p
     last = result.stderr.strip().splitlines()[-1]
     assert "gpu_memory_cap: error: no CUDA GPU here" in last, last
     assert "the entrypoint ran" not in result.stdout
+
+
+def test_the_row_names_the_commit_and_the_note(tmp_path, monkeypatch):
+    commit = benchmark.source_commit()
+    assert re.fullmatch(r"[0-9a-f]{7,40}(\+dirty)?", commit)
+    result = {
+        "date": "2026-12-04", "device": "NVIDIA H200", "gpus": 1, "model": "esm2_t33_650M_UR50D", "recipe": "r",
+        "entrypoint": "train_ddp.py", "config": "L1_650M", "overrides": [], "input_format": "thd", "precision": "bf16",
+        "tokens_per_micro_batch": 49152, "tokens_per_second_per_gpu": 1.0, "step_time_s": 1.0, "mfu": 0.5,
+        "peak_memory_gb": 1.0, "steps": 35, "data": "d.parquet", "commit": commit, "note": "second of ABBA",
+    }  # fmt: skip
+    assert benchmark.markdown_row(result).endswith(f"| 35 steps, data: d.parquet; commit {commit}; second of ABBA |")
+    # A copied tree without git (as on a GPU machine) has no commit to name; the row then says nothing of one.
+    monkeypatch.setattr(benchmark, "REPO_ROOT", tmp_path)
+    assert benchmark.source_commit() is None
+    assert "commit" not in benchmark.markdown_row({**result, "commit": None, "note": None})
