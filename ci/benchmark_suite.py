@@ -4,6 +4,7 @@
     python3 ci/benchmark_suite.py SUITE --only esm2_3b_bf16,esm2_3b_fp8 ...   # some runs (a speed-up needs its base)
     python3 ci/benchmark_suite.py SUITE --dry-run                           # check the suite, print the commands
     python3 ci/benchmark_suite.py SUITE ... --markdown docs/benchmarks.md   # also append each run's row there
+    python3 ci/benchmark_suite.py SUITE ... --profile                       # and each run's kernel groups per step
 
 A suite file (YAML) has ``defaults`` (steps, warmup, log_every, nproc) and ``runs``: each names a recipe entrypoint,
 Hydra config, data file, overrides and a target (the keys are listed at the top of
@@ -12,7 +13,10 @@ exist and the config composes with the overrides, so a renamed key fails in seco
 before it. A run that fails (out of memory, an exception) does not stop the others; its verdict names the cause.
 
 Out dir: ``NAME/`` (each run's directory with ``benchmark.log``, ``metrics.jsonl`` and ``summary.json``),
-``NAME.json`` (ci/benchmark.py's result) and ``verdicts.md`` (the table printed at the end). The exit status is 1
+``NAME.json`` (ci/benchmark.py's result) and ``verdicts.md`` (the table printed at the end). With ``--profile``, each
+finished run gets a twin that runs the same config for 3 steps past its warm-up under the torch profiler
+(``NAME.profile/``; not a result, the profiler slows it), and ``profiles.md`` holds each one's kernel groups per step
+(ci/profile_summary.py), the summary docs/benchmarks.md keeps beside a headline number. The exit status is 1
 when a run failed, else 0: a missed target is a measurement, not an error. Like ci/benchmark.py, this runs on the
 machine being measured and asserts on no number.
 """
@@ -28,6 +32,7 @@ import yaml
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 import benchmark
+import profile_summary
 
 
 REPO_ROOT = benchmark.REPO_ROOT
@@ -46,6 +51,7 @@ BUILTIN_DEFAULTS = {
 }
 DEFAULT_KEYS = {"nproc", "steps", "warmup", "log_every"}
 TARGET_KINDS = {"tokens_per_second_per_gpu", "mfu", "fits", "speedup_over"}
+PROFILED_STEPS = 3  # the window of a --profile run, right after the measured run's warm-up
 
 
 class SuiteError(ValueError):
@@ -127,6 +133,34 @@ def benchmark_argv(name: str, spec: dict, data_dir: Path, out_dir: Path) -> list
     return argv
 
 
+def profile_argv(name: str, spec: dict, data_dir: Path, out_dir: Path) -> list[str]:
+    """The ci/benchmark.py arguments of a run's profiled twin: the same config for ``warmup + PROFILED_STEPS`` steps,
+    the torch profiler over the last ``PROFILED_STEPS`` (its speed is not a result: the profiler slows the step)."""
+    start = spec["warmup"] + 1
+    window = [
+        "profiler.enabled=true", "profiler.kind=torch",
+        f"profiler.start_step={start}", f"profiler.end_step={start + PROFILED_STEPS - 1}",
+    ]  # fmt: skip
+    twin = {**spec, "steps": start + PROFILED_STEPS - 1, "overrides": [*spec["overrides"], *window]}
+    return benchmark_argv(f"{name}.profile", twin, data_dir, out_dir)
+
+
+def profile_run(name: str, spec: dict, data_dir: Path, out_dir: Path) -> str:
+    """Run the profiled twin and return its kernel groups per step (ci/profile_summary.py's table), the summary
+    docs/benchmarks.md keeps beside a headline number; or one line saying why there is none."""
+    if "profiler" not in benchmark.resolved_config(REPO_ROOT / spec["recipe"], spec["config"], []):
+        return f"**{name}**: not profiled ({spec['recipe']} has no `profiler` config group)"
+    try:
+        benchmark.run_benchmark(benchmark.build_parser().parse_args(profile_argv(name, spec, data_dir, out_dir)))
+        trace = json.loads((out_dir / f"{name}.profile" / "profile_rank0.json").read_text())
+        summary = profile_summary.summarise(trace, PROFILED_STEPS)
+    except SystemExit as failure:
+        return f"**{name}**: the profiled run failed: {str(failure.code).removeprefix('benchmark: error: ')}"
+    except (OSError, ValueError) as error:  # no trace written, or one without GPU kernels (a CPU run)
+        return f"**{name}**: no profile summary: {error}"
+    return profile_summary.render(summary, f"{name}: kernel groups per step ({PROFILED_STEPS} profiled steps)")
+
+
 def check_runs(runs: dict[str, dict], data_dir: Path, need_data: bool = True) -> None:
     """Fail before the first run if any run cannot start: a missing entrypoint or data file, or a config that does
     not compose with its overrides (a renamed key)."""
@@ -200,6 +234,11 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--only", help="comma-separated run names (default: every run, in the suite's order)")
     parser.add_argument("--dry-run", action="store_true", help="check the suite and print the commands; run nothing")
     parser.add_argument(
+        "--profile",
+        action="store_true",
+        help=f"after each finished run, profile {PROFILED_STEPS} steps of the same config and write its kernel groups",
+    )
+    parser.add_argument(
         "--markdown", type=Path, help="append each finished run's row to this file (docs/benchmarks.md)"
     )
     args = parser.parse_args(argv)
@@ -220,6 +259,7 @@ def main(argv: list[str] | None = None) -> int:
     out_dir.mkdir(parents=True, exist_ok=True)
     results: dict[str, dict | None] = {}
     errors: dict[str, str] = {}
+    profiles: list[str] = []
     for index, (name, spec) in enumerate(runs.items(), start=1):
         print(f"benchmark_suite: run {index}/{len(runs)}: {name}", flush=True)
         try:
@@ -232,6 +272,9 @@ def main(argv: list[str] | None = None) -> int:
         (out_dir / f"{name}.json").write_text(json.dumps(results[name], indent=2) + "\n")
         if args.markdown:
             benchmark.append_row(args.markdown, benchmark.markdown_row(results[name]))
+        if args.profile:
+            print(f"benchmark_suite: profiling {name}", flush=True)
+            profiles.append(profile_run(name, spec, data_dir, out_dir))
     finished = [result for result in results.values() if result]
     context = (
         finished[0] if finished else {"date": "-", "device": "no finished run", "commit": benchmark.source_commit()}
@@ -240,6 +283,9 @@ def main(argv: list[str] | None = None) -> int:
     table = heading + verdicts_table(runs, results, errors)
     (out_dir / "verdicts.md").write_text(table)
     print(table)
+    if profiles:
+        (out_dir / "profiles.md").write_text("\n\n".join(profiles) + "\n")
+        print("\n\n".join(profiles))
     return 1 if errors else 0
 
 

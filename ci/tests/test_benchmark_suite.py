@@ -149,3 +149,41 @@ def test_a_tiny_cpu_suite_runs_each_run_keeps_going_after_a_failure_and_writes_v
     # The two finished runs' rows were appended to the results table, in order, and name the suite run.
     added = markdown.read_text().splitlines()[len(shipped_table.splitlines()) :]
     assert len(added) == 2 and "suite run first" in added[0] and "suite run second" in added[1]
+
+
+def test_profile_twin_profiles_the_steps_after_warm_up_and_renders_the_kernel_groups(tmp_path, monkeypatch):
+    spec = benchmark_suite.load_suite(SHIPPED)["esm2_650m_bf16"]
+    launched = []
+
+    def fake_run(args):  # stands in for the GPU run: records what it was asked, writes a trace with GPU kernels
+        launched.append(args)
+        Path(args.output_dir).mkdir(parents=True)
+        kernels = [
+            {"ph": "X", "cat": "kernel", "name": name, "ts": ts, "dur": 40, "pid": 0, "tid": 7}
+            for ts, name in enumerate(["sm90_xmma_gemm_bf16bf16_bf16f32_f32_tn_n", "fused_rope_forward_kernel"] * 3)
+        ]
+        (Path(args.output_dir) / "profile_rank0.json").write_text(json.dumps({"traceEvents": kernels}))
+        return {}
+
+    monkeypatch.setattr(benchmark, "run_benchmark", fake_run)
+    text = benchmark_suite.profile_run("esm2_650m_bf16", spec, tmp_path, tmp_path / "out")
+    (args,) = launched
+    window = ["profiler.enabled=true", "profiler.kind=torch", "profiler.start_step=16", "profiler.end_step=18"]
+    assert args.steps == 18 and args.override == [*spec["overrides"], *window]  # steps 16-18, after 15 of warm-up
+    assert args.output_dir == str(tmp_path / "out" / "esm2_650m_bf16.profile")
+    assert text.startswith("**esm2_650m_bf16: kernel groups per step (3 profiled steps)**")
+    assert "| GEMM |" in text and "| RoPE |" in text
+    # A recipe without a profiler group (the Lightning recipe) is named, not launched.
+    codon = {**spec, "recipe": "recipes/codonfm_ptl_te", "config": "encodon_80m"}
+    assert "has no `profiler` config group" in benchmark_suite.profile_run("codon", codon, tmp_path, tmp_path / "o")
+    assert len(launched) == 1
+
+
+def test_a_cpu_suite_with_profile_runs_the_twin_and_says_why_it_has_no_gpu_summary(tmp_path):
+    benchmark.write_synthetic_parquet("protein:64", tmp_path)
+    out_dir = tmp_path / "out"
+    argv = [str(write_suite(tmp_path, {"first": tiny_run()})), "--data-dir", str(tmp_path), "--out-dir", str(out_dir)]
+    assert benchmark_suite.main([*argv, "--profile"]) == 0
+    assert (out_dir / "first.profile" / "profile_rank0.json").is_file()  # the twin ran with the torch profiler on
+    assert json.loads((out_dir / "first.profile" / "summary.json").read_text())["steps"] == 2 + 3
+    assert (out_dir / "profiles.md").read_text().startswith("**first**: no profile summary: the trace holds no GPU")
