@@ -1,0 +1,143 @@
+"""What predict.py computes for each protein sequence, and how the ranks' results become one set of files.
+
+- **Embedding**: the mean of the encoder's last hidden states (after its final norm) over the sequence's residues, the
+  start and end tokens left out, in float32: the usual per-protein ESM-2 embedding.
+- **Pseudo-log-likelihood** (PLL): mask each residue in turn and sum ``log p(true residue | every other token)`` over
+  the residues; ``mean_log_likelihood`` = PLL / residues. A sequence of L residues costs L forward passes over L + 2
+  tokens; the masked copies are packed (THD) into passes of at most ``pll_token_budget`` tokens, and the masked-LM head
+  runs only on the masked position of each copy.
+
+The sequences themselves are packed (THD) into passes of at most ``token_budget`` tokens, in input order; a sequence
+longer than the budget gets a pass of its own. Each rank writes its contiguous share of the rows
+(``predictions.rank<r>.parquet``, ``embeddings.rank<r>.npy``); :func:`merge_rank_files` then joins them, in input
+order, into ``predictions.parquet`` and ``embeddings.npy``, each written whole under a temporary name first.
+"""
+
+import logging
+import os
+from collections.abc import Iterator
+from pathlib import Path
+
+import numpy as np
+import pyarrow as pa
+import pyarrow.parquet as pq
+import torch
+import torch.nn.functional as F
+from tqdm import tqdm
+
+
+logger = logging.getLogger(__name__)
+
+
+def packed_passes(lengths: list[int], token_budget: int) -> Iterator[range]:
+    """Consecutive runs of sequence indices whose tokens fit ``token_budget`` together (a longer one runs alone)."""
+    start, tokens = 0, 0
+    for index, length in enumerate(lengths):
+        if index > start and tokens + length > token_budget:
+            yield range(start, index)
+            start, tokens = index, 0
+        tokens += length
+    if start < len(lengths):
+        yield range(start, len(lengths))
+
+
+class Predictor:
+    """Embeddings and PLLs of a masked-LM model of this recipe (``NVEsmForMaskedLM`` or ``NVAmplifyForMaskedLM``).
+
+    ``encoder`` is the model's encoder (``ModelFamily.encoder``): it packs token runs and returns their hidden states;
+    ``model.head`` turns hidden states into vocabulary logits.
+    """
+
+    def __init__(self, model, encoder, mask_token_id: int, device: torch.device, token_budget: int, pll_token_budget):
+        self.model, self.encoder, self.mask_token_id, self.device = model, encoder, int(mask_token_id), device
+        self.token_budget, self.pll_token_budget = int(token_budget), int(pll_token_budget)
+
+    def _hidden(self, token_lists: list[list[int]]) -> tuple[torch.Tensor, torch.Tensor]:
+        """One packed forward: ([tokens, hidden] last hidden states, [sequences + 1] int64 boundaries on the device)."""
+        lengths = torch.tensor([len(tokens) for tokens in token_lists])
+        boundaries = F.pad(lengths.cumsum(0), (1, 0)).to(self.device)
+        input_ids = torch.tensor([t for tokens in token_lists for t in tokens], device=self.device)
+        cu_seqlens = boundaries.to(torch.int32)
+        packed = self.encoder.pack(input_ids[None], None, cu_seqlens, cu_seqlens, int(lengths.max()))
+        hidden, _ = self.encoder.forward_packed(packed)
+        return hidden, boundaries
+
+    @torch.no_grad()
+    def embeddings(self, token_lists: list[list[int]], progress: bool = False) -> np.ndarray:
+        """[sequences, hidden] float32: each sequence's mean hidden state over its residues."""
+        rows = []
+        bar = tqdm(total=len(token_lists), desc="embeddings", unit="seq", disable=not progress)
+        for run in packed_passes([len(tokens) for tokens in token_lists], self.token_budget):
+            hidden, boundaries = self._hidden([token_lists[i] for i in run])
+            lengths = boundaries[1:] - boundaries[:-1]
+            sequence = torch.repeat_interleave(torch.arange(len(run), device=self.device), lengths)
+            residue = torch.ones(hidden.shape[0], dtype=torch.bool, device=self.device)
+            residue[boundaries[:-1]] = False  # the start token
+            residue[boundaries[1:] - 1] = False  # the end token
+            sums = torch.zeros(len(run), hidden.shape[1], dtype=torch.float32, device=self.device)
+            sums.index_add_(0, sequence[residue], hidden[residue].float())
+            rows.append((sums / (lengths - 2).unsqueeze(1)).cpu())
+            bar.update(len(run))
+        bar.close()
+        return torch.cat(rows).numpy() if rows else np.zeros((0, 0), dtype=np.float32)
+
+    def _masked_copies(self, token_lists: list[list[int]]) -> Iterator[tuple[int, list[int], int, int]]:
+        """(sequence, masked copy, masked position, true token) for every residue of every sequence, in order."""
+        for sequence, tokens in enumerate(token_lists):
+            for position in range(1, len(tokens) - 1):  # the residues, between the start and end tokens
+                masked = list(tokens)
+                masked[position] = self.mask_token_id
+                yield sequence, masked, position, tokens[position]
+
+    @torch.no_grad()
+    def pseudo_log_likelihoods(self, token_lists: list[list[int]], progress: bool = False) -> np.ndarray:
+        """[sequences] float64: for each sequence the sum over its residues of log p(residue | the rest)."""
+        totals = torch.zeros(len(token_lists), dtype=torch.float64, device=self.device)
+        residues = sum(len(tokens) - 2 for tokens in token_lists)
+        bar = tqdm(total=residues, desc="pseudo-log-likelihoods", unit="residue", disable=not progress)
+        batch, tokens_in_batch = [], 0
+        for copy in self._masked_copies(token_lists):
+            if batch and tokens_in_batch + len(copy[1]) > self.pll_token_budget:
+                self._score(batch, totals)
+                bar.update(len(batch))
+                batch, tokens_in_batch = [], 0
+            batch.append(copy)
+            tokens_in_batch += len(copy[1])
+        if batch:
+            self._score(batch, totals)
+            bar.update(len(batch))
+        bar.close()
+        return totals.cpu().numpy()
+
+    def _score(self, copies: list, totals: torch.Tensor) -> None:
+        """One packed forward over masked copies: adds each copy's log-probability of its true residue to its row."""
+        hidden, boundaries = self._hidden([masked for _, masked, _, _ in copies])
+        positions = boundaries[:-1] + torch.tensor([position for _, _, position, _ in copies], device=self.device)
+        log_probs = torch.log_softmax(self.model.head(hidden[positions]).float(), dim=-1)
+        true = torch.tensor([token for _, _, _, token in copies], device=self.device)
+        rows = torch.tensor([sequence for sequence, _, _, _ in copies], device=self.device)
+        totals.index_add_(0, rows, log_probs.gather(1, true[:, None]).squeeze(1).double())
+
+
+def write_rank_files(output_dir: Path, rank: int, table: pa.Table, embeddings: np.ndarray) -> None:
+    """This rank's rows (its contiguous share, in input order) and their embeddings."""
+    pq.write_table(table, output_dir / f"predictions.rank{rank}.parquet")
+    np.save(output_dir / f"embeddings.rank{rank}.npy", embeddings)
+
+
+def merge_rank_files(output_dir: Path, world_size: int) -> tuple[Path, Path]:
+    """Join the ranks' files in rank order (= input order) into ``predictions.parquet`` and ``embeddings.npy``; each is
+    written whole under a temporary name and then renamed, so a file under the final name is always complete."""
+    tables = [pq.read_table(output_dir / f"predictions.rank{rank}.parquet") for rank in range(world_size)]
+    arrays = [np.load(output_dir / f"embeddings.rank{rank}.npy") for rank in range(world_size)]
+    arrays = [array for array in arrays if array.size] or arrays[:1]  # a rank with no rows wrote a 0 x 0 array
+    predictions, embeddings = output_dir / "predictions.parquet", output_dir / "embeddings.npy"
+    pq.write_table(pa.concat_tables(tables), output_dir / ".predictions.parquet.partial")
+    with open(output_dir / ".embeddings.npy.partial", "wb") as handle:
+        np.save(handle, np.concatenate(arrays).astype(np.float32))
+    os.replace(output_dir / ".predictions.parquet.partial", predictions)
+    os.replace(output_dir / ".embeddings.npy.partial", embeddings)
+    for rank in range(world_size):
+        (output_dir / f"predictions.rank{rank}.parquet").unlink()
+        (output_dir / f"embeddings.rank{rank}.npy").unlink()
+    return predictions, embeddings
