@@ -65,8 +65,8 @@ def load_model(model_path: str, backend: str, need_lm_head: bool):
     return family, model.eval(), tokenizer
 
 
-def read_sequences(data: DictConfig, tokenizer) -> tuple[list[int], list[str], list[list[int]]]:
-    """(input rows, ids, token ids) of the sequences the policies keep, in input order."""
+def read_sequences(data: DictConfig, tokenizer, log_stats: bool) -> tuple[list[int], list[str], list[str]]:
+    """(input rows, ids, cleaned texts) of the sequences the policies keep, in input order."""
     source = load_sequences(data.path, data.format, data.sequence_column, data.split, key="data.path")
     if data.id_column == "auto":
         id_column = "id" if "id" in source.column_names else None
@@ -92,9 +92,9 @@ def read_sequences(data: DictConfig, tokenizer) -> tuple[list[int], list[str], l
             rows.append(row)
             kept_ids.append(ids[row] if ids else str(row))
             texts.append(text)
-    stats.log(str(data.path))
-    token_ids = tokenizer(texts, add_special_tokens=True)["input_ids"] if texts else []
-    return rows, kept_ids, token_ids
+    if log_stats:
+        stats.log(str(data.path))
+    return rows, kept_ids, texts
 
 
 @report_user_errors(hydra.main(config_path="hydra_config", config_name="predict", version_base="1.3"))
@@ -121,18 +121,18 @@ def main(cfg: DictConfig) -> None:
     dtype = DTYPES[cfg.dtype] if cfg.dtype != "auto" else torch.bfloat16 if model.backend == "te" else torch.float32
     model.to(device=device, dtype=dtype)
     logger.info("Model: %s from %s, %s backend, %s on %s", family.name, cfg.model_path, model.backend, dtype, device)
-    rows, ids, token_ids = read_sequences(cfg.data, tokenizer)
+    rows, ids, texts = read_sequences(cfg.data, tokenizer, log_stats=dist_config.is_main_process())
 
     # Each rank takes a contiguous share, so the shares joined in rank order are in input order.
     share = np.array_split(np.arange(len(rows)), dist_config.world_size)[dist_config.rank]
-    mine = [token_ids[i] for i in share]
+    mine = tokenizer([texts[i] for i in share], add_special_tokens=True)["input_ids"] if len(share) else []
     predictor = Predictor(
         model, family.encoder(model), tokenizer.mask_token_id, device, cfg.token_budget, cfg.pll_token_budget
     )
     progress = dist_config.is_main_process() and sys.stderr.isatty()
     started = time.perf_counter()
     embeddings = predictor.embeddings(mine, progress)
-    logger.info("Embedded %d sequences per rank in %.1f s", len(mine), time.perf_counter() - started)
+    logger.info("Embedded %d sequences (this rank's share) in %.1f s", len(mine), time.perf_counter() - started)
     columns = {
         "index": pa.array([rows[i] for i in share], pa.int64()),
         "id": pa.array([ids[i] for i in share], pa.string()),
@@ -145,7 +145,9 @@ def main(cfg: DictConfig) -> None:
         columns["mean_log_likelihood"] = pa.array(pll / np.maximum(columns["num_residues"].to_numpy(), 1))
         residues = int(columns["num_residues"].to_numpy().sum())
         logger.info(
-            "Scored %d residues per rank (one masked pass each) in %.1f s", residues, time.perf_counter() - started
+            "Scored %d residues (this rank's share, one masked pass each) in %.1f s",
+            residues,
+            time.perf_counter() - started,
         )
     write_rank_files(output_dir, dist_config.rank, pa.table(columns), embeddings)
     if dist.is_initialized():
