@@ -60,7 +60,12 @@ class SuiteError(ValueError):
 
 def load_suite(path: Path) -> dict[str, dict]:
     """The suite's runs by name, each with the defaults filled in, after checking every key and target."""
-    suite = yaml.safe_load(path.read_text())
+    if not path.is_file():
+        raise SuiteError(f"no suite file {path}")
+    try:
+        suite = yaml.safe_load(path.read_text())
+    except yaml.YAMLError as error:
+        raise SuiteError(f"{path} is not valid YAML: {' '.join(str(error).split())}") from None
     if not isinstance(suite, dict) or not isinstance(suite.get("runs"), dict) or not suite["runs"]:
         raise SuiteError(f"{path}: expected a mapping with a non-empty 'runs' mapping")
     if unknown := set(suite) - {"defaults", "runs"}:
@@ -77,9 +82,26 @@ def load_suite(path: Path) -> dict[str, dict]:
         if missing := {"recipe", "config", "data", "target"} - set(spec):
             raise SuiteError(f"{path}: run {name!r} lacks {sorted(missing)}")
         runs[name] = {**BUILTIN_DEFAULTS, **defaults, **spec}
+        check_types(path, name, runs[name])
     for name, spec in runs.items():
         check_target(path, name, spec["target"], runs)
     return runs
+
+
+def check_types(path: Path, name: str, spec: dict) -> None:
+    """Counts are positive integers, overrides a list of ``key=value`` strings, the memory cap a number."""
+    for key in ("nproc", "steps", "warmup", "log_every"):
+        value = spec[key]
+        if not isinstance(value, int) or isinstance(value, bool) or value < (0 if key == "warmup" else 1):
+            raise SuiteError(
+                f"{path}: run {name!r}: {key} must be a {'non-negative' if key == 'warmup' else 'positive'} integer, got {value!r}"
+            )
+    overrides = spec["overrides"]
+    if not isinstance(overrides, list) or not all(isinstance(item, str) and "=" in item for item in overrides):
+        raise SuiteError(f"{path}: run {name!r}: overrides must be a list of key=value strings, got {overrides!r}")
+    cap = spec.get("gpu_memory_gib")
+    if cap is not None and (not isinstance(cap, (int, float)) or isinstance(cap, bool) or cap <= 0):
+        raise SuiteError(f"{path}: run {name!r}: gpu_memory_gib must be a positive number of GiB, got {cap!r}")
 
 
 def check_target(path: Path, name: str, target: object, runs: dict[str, dict]) -> None:

@@ -70,11 +70,26 @@ def test_a_renamed_config_key_fails_the_check(tmp_path):
         ({"a": tiny_run(target={"fits": "yes"})}, "written 'fits: true'"),
         ({"a": tiny_run(target={"speedup_over": {"run": "b", "at_least": 1.3}})}, "names 'b', not another run"),
         ({"a": tiny_run(target={"speedup_over": {"run": "a", "at_least": 1.3}})}, "names 'a', not another run"),
+        ({"a": tiny_run(overrides="dataset.token_budget=1")}, "overrides must be a list of key=value strings"),
+        ({"a": tiny_run(steps=0)}, "steps must be a positive integer, got 0"),
+        ({"a": tiny_run(warmup="15")}, "warmup must be a non-negative integer, got '15'"),
+        ({"a": tiny_run(gpu_memory_gib="78")}, "gpu_memory_gib must be a positive number of GiB"),
     ],
 )
 def test_a_malformed_suite_names_the_run_and_key(tmp_path, runs, message):
     with pytest.raises(benchmark_suite.SuiteError, match=message):
         benchmark_suite.load_suite(write_suite(tmp_path, runs))
+
+
+def test_a_missing_or_unreadable_suite_file_is_named(tmp_path):
+    with pytest.raises(benchmark_suite.SuiteError, match="no suite file"):
+        benchmark_suite.load_suite(tmp_path / "nothing.yaml")
+    (tmp_path / "bad.yaml").write_text("runs: [unclosed\n")
+    with pytest.raises(benchmark_suite.SuiteError, match="bad.yaml is not valid YAML"):
+        benchmark_suite.load_suite(tmp_path / "bad.yaml")
+    (tmp_path / "list.yaml").write_text("- a\n")
+    with pytest.raises(benchmark_suite.SuiteError, match="expected a mapping with a non-empty 'runs' mapping"):
+        benchmark_suite.load_suite(tmp_path / "list.yaml")
 
 
 def test_unknown_defaults_and_only_names_are_refused(tmp_path):
