@@ -173,9 +173,10 @@ def load_sequences(
     streaming: bool = False,
     cache_dir: str | None = None,
     key: str = "dataset.path",
+    column_key: str = "dataset.sequence_column",
 ):
-    """Open a sequence source as a ``datasets.Dataset`` (or ``IterableDataset`` when streaming); ``key`` is the
-    config key that named it, for error messages."""
+    """Open a sequence source as a ``datasets.Dataset`` (or ``IterableDataset`` when streaming); ``key`` and
+    ``column_key`` are the config keys that named it and its sequence column, for error messages."""
     fmt = detect_format(path) if format == "auto" else format
     if fmt == "fasta":
         ds = _fasta_dataset(_expand_files(path, key), streaming, cache_dir)
@@ -192,7 +193,7 @@ def load_sequences(
         columns = list(next(iter(ds)).keys())
     if sequence_column not in columns:
         raise ConfigError(
-            f"{path}: no column {sequence_column!r}; columns are {columns}: set dataset.sequence_column to one of them"
+            f"{path}: no column {sequence_column!r}; columns are {columns}: set {column_key} to one of them"
         )
     return ds
 

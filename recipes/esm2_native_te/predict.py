@@ -67,7 +67,9 @@ def load_model(model_path: str, backend: str, need_lm_head: bool):
 
 def read_sequences(data: DictConfig, tokenizer, log_stats: bool) -> tuple[list[int], list[str], list[str]]:
     """(input rows, ids, cleaned texts) of the sequences the policies keep, in input order."""
-    source = load_sequences(data.path, data.format, data.sequence_column, data.split, key="data.path")
+    source = load_sequences(
+        data.path, data.format, data.sequence_column, data.split, key="data.path", column_key="data.sequence_column"
+    )
     if data.id_column == "auto":
         id_column = "id" if "id" in source.column_names else None
     elif data.id_column not in source.column_names:

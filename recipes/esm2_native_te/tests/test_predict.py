@@ -116,7 +116,7 @@ def test_fasta_headers_are_the_ids_and_skipped_rows_keep_their_input_index(tmp_p
     ("overrides", "message"),
     [
         (["data.id_column=name"], "no column 'name'; columns are ['id', 'sequence']: set data.id_column"),
-        (["data.sequence_column=seq"], "no column 'seq'"),
+        (["data.sequence_column=seq"], "no column 'seq'; columns are ['id', 'sequence']: set data.sequence_column"),
         (["token_budget=100"], "token_budget=100 is below data.max_seq_length=1024"),
         (["dtype=float16"], "dtype=float16: choose auto, float32 or bfloat16"),
         (["model_path=/no/such/export"], "model_path=/no/such/export: no such directory"),
