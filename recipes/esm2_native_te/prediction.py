@@ -48,17 +48,18 @@ class Predictor:
     ``model.head`` turns hidden states into vocabulary logits.
     """
 
-    def __init__(self, model, encoder, mask_token_id: int, device: torch.device, token_budget: int, pll_token_budget):
+    def __init__(
+        self, model, encoder, mask_token_id: int, device: torch.device, token_budget: int, pll_token_budget: int
+    ):
         self.model, self.encoder, self.mask_token_id, self.device = model, encoder, int(mask_token_id), device
         self.token_budget, self.pll_token_budget = int(token_budget), int(pll_token_budget)
 
-    def _hidden(self, token_lists: list[list[int]]) -> tuple[torch.Tensor, torch.Tensor]:
-        """One packed forward: ([tokens, hidden] last hidden states, [sequences + 1] int64 boundaries on the device)."""
-        lengths = torch.tensor([len(tokens) for tokens in token_lists])
+    def _hidden(self, input_ids: torch.Tensor, lengths: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """One packed forward over ``input_ids`` (CPU, the pieces end to end) cut into pieces of ``lengths``:
+        ([tokens, hidden] last hidden states, [pieces + 1] int64 boundaries), both on the device."""
         boundaries = F.pad(lengths.cumsum(0), (1, 0)).to(self.device)
-        input_ids = torch.tensor([t for tokens in token_lists for t in tokens], device=self.device)
         cu_seqlens = boundaries.to(torch.int32)
-        packed = self.encoder.pack(input_ids[None], None, cu_seqlens, cu_seqlens, int(lengths.max()))
+        packed = self.encoder.pack(input_ids.to(self.device)[None], None, cu_seqlens, cu_seqlens, int(lengths.max()))
         hidden, _ = self.encoder.forward_packed(packed)
         return hidden, boundaries
 
@@ -68,7 +69,8 @@ class Predictor:
         rows = []
         bar = tqdm(total=len(token_lists), desc="embeddings", unit="seq", disable=not progress)
         for run in packed_passes([len(tokens) for tokens in token_lists], self.token_budget):
-            hidden, boundaries = self._hidden([token_lists[i] for i in run])
+            pieces = [torch.tensor(token_lists[i]) for i in run]
+            hidden, boundaries = self._hidden(torch.cat(pieces), torch.tensor([len(piece) for piece in pieces]))
             lengths = boundaries[1:] - boundaries[:-1]
             sequence = torch.repeat_interleave(torch.arange(len(run), device=self.device), lengths)
             residue = torch.ones(hidden.shape[0], dtype=torch.bool, device=self.device)
@@ -81,42 +83,32 @@ class Predictor:
         bar.close()
         return torch.cat(rows).numpy() if rows else np.zeros((0, 0), dtype=np.float32)
 
-    def _masked_copies(self, token_lists: list[list[int]]) -> Iterator[tuple[int, list[int], int, int]]:
-        """(sequence, masked copy, masked position, true token) for every residue of every sequence, in order."""
-        for sequence, tokens in enumerate(token_lists):
-            for position in range(1, len(tokens) - 1):  # the residues, between the start and end tokens
-                masked = list(tokens)
-                masked[position] = self.mask_token_id
-                yield sequence, masked, position, tokens[position]
-
     @torch.no_grad()
     def pseudo_log_likelihoods(self, token_lists: list[list[int]], progress: bool = False) -> np.ndarray:
         """[sequences] float64: for each sequence the sum over its residues of log p(residue | the rest)."""
+        sequences = [torch.tensor(tokens) for tokens in token_lists]
+        # One masked copy per residue (between the start and end tokens): (sequence, masked position).
+        copies = [(row, position) for row, tokens in enumerate(token_lists) for position in range(1, len(tokens) - 1)]
         totals = torch.zeros(len(token_lists), dtype=torch.float64, device=self.device)
-        residues = sum(len(tokens) - 2 for tokens in token_lists)
-        bar = tqdm(total=residues, desc="pseudo-log-likelihoods", unit="residue", disable=not progress)
-        batch, tokens_in_batch = [], 0
-        for copy in self._masked_copies(token_lists):
-            if batch and tokens_in_batch + len(copy[1]) > self.pll_token_budget:
-                self._score(batch, totals)
-                bar.update(len(batch))
-                batch, tokens_in_batch = [], 0
-            batch.append(copy)
-            tokens_in_batch += len(copy[1])
-        if batch:
-            self._score(batch, totals)
-            bar.update(len(batch))
+        bar = tqdm(total=len(copies), desc="pseudo-log-likelihoods", unit="residue", disable=not progress)
+        for run in packed_passes([len(token_lists[row]) for row, _ in copies], self.pll_token_budget):
+            self._score([copies[i] for i in run], sequences, totals)
+            bar.update(len(run))
         bar.close()
         return totals.cpu().numpy()
 
-    def _score(self, copies: list, totals: torch.Tensor) -> None:
+    def _score(self, copies: list[tuple[int, int]], sequences: list[torch.Tensor], totals: torch.Tensor) -> None:
         """One packed forward over masked copies: adds each copy's log-probability of its true residue to its row."""
-        hidden, boundaries = self._hidden([masked for _, masked, _, _ in copies])
-        positions = boundaries[:-1] + torch.tensor([position for _, _, position, _ in copies], device=self.device)
-        log_probs = torch.log_softmax(self.model.head(hidden[positions]).float(), dim=-1)
-        true = torch.tensor([token for _, _, _, token in copies], device=self.device)
-        rows = torch.tensor([sequence for sequence, _, _, _ in copies], device=self.device)
-        totals.index_add_(0, rows, log_probs.gather(1, true[:, None]).squeeze(1).double())
+        rows = torch.tensor([row for row, _ in copies])
+        lengths = torch.tensor([len(sequences[row]) for row, _ in copies])
+        input_ids = torch.cat([sequences[row] for row, _ in copies])
+        masked = F.pad(lengths.cumsum(0), (1, 0))[:-1] + torch.tensor([position for _, position in copies])
+        true = input_ids[masked]
+        input_ids[masked] = self.mask_token_id
+        hidden, _ = self._hidden(input_ids, lengths)
+        masked, true = masked.to(self.device), true.to(self.device)
+        log_probs = torch.log_softmax(self.model.head(hidden[masked]).float(), dim=-1)
+        totals.index_add_(0, rows.to(self.device), log_probs.gather(1, true[:, None]).squeeze(1).double())
 
 
 def write_rank_files(output_dir: Path, rank: int, table: pa.Table, embeddings: np.ndarray) -> None:

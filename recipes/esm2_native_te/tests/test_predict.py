@@ -54,6 +54,19 @@ def one_at_a_time(model, encoder, tokenizer, sequence: str) -> tuple[np.ndarray,
     return hidden[1:-1].mean(0).numpy(), pll
 
 
+def assert_predictions_are_one_at_a_time(out_dir, sequences, model, encoder, tokenizer) -> dict:
+    """``out_dir``'s embeddings and PLLs equal :func:`one_at_a_time` of ``model`` row by row; returns the table."""
+    table = pq.read_table(out_dir / "predictions.parquet").to_pydict()
+    embeddings = np.load(out_dir / "embeddings.npy")
+    assert embeddings.dtype == np.float32 and embeddings.shape == (len(sequences), model.config.hidden_size)
+    for row, sequence in enumerate(sequences):
+        embedding, pll = one_at_a_time(model.eval(), encoder, tokenizer, sequence)
+        np.testing.assert_allclose(embeddings[row], embedding, atol=2e-5, rtol=1e-4)
+        assert table["pll"][row] == pytest.approx(pll, abs=1e-3, rel=1e-5)
+        assert table["mean_log_likelihood"][row] == pytest.approx(pll / len(sequence), abs=1e-4)
+    return table
+
+
 def test_packed_passes_fill_the_budget_and_keep_the_order():
     assert [list(run) for run in packed_passes([5, 5, 5, 12, 3, 3], 10)] == [[0, 1], [2], [3], [4, 5]]
     assert list(packed_passes([], 10)) == []
@@ -68,18 +81,11 @@ def test_predictions_equal_one_sequence_at_a_time_in_input_order(tmp_path, famil
         "predict.py", f"model_path={tmp_path / 'export'}", f"data.path={data}", f"output_dir={tmp_path / 'out'}",
         "token_budget=64", "pll_token_budget=64", "data.max_seq_length=64",
     )  # fmt: skip
-    table = pq.read_table(tmp_path / "out" / "predictions.parquet").to_pydict()
-    embeddings = np.load(tmp_path / "out" / "embeddings.npy")
-    assert table["index"] == list(range(len(SEQUENCES))) and table["id"] == [f"p{i}" for i in range(len(SEQUENCES))]
-    assert table["num_residues"] == [len(s) for s in SEQUENCES]
-    assert embeddings.dtype == np.float32 and embeddings.shape == (len(SEQUENCES), model.config.hidden_size)
     tokenizer = AutoTokenizer.from_pretrained(tmp_path / "export")
     encoder = model.esm if family == "esm2" else model.amplify
-    for row, sequence in enumerate(SEQUENCES):
-        embedding, pll = one_at_a_time(model, encoder, tokenizer, sequence)
-        np.testing.assert_allclose(embeddings[row], embedding, atol=2e-5, rtol=1e-4)
-        assert table["pll"][row] == pytest.approx(pll, abs=1e-3, rel=1e-5)
-        assert table["mean_log_likelihood"][row] == pytest.approx(pll / len(sequence), abs=1e-4)
+    table = assert_predictions_are_one_at_a_time(tmp_path / "out", SEQUENCES, model, encoder, tokenizer)
+    assert table["index"] == list(range(len(SEQUENCES))) and table["id"] == [f"p{i}" for i in range(len(SEQUENCES))]
+    assert table["num_residues"] == [len(s) for s in SEQUENCES]
     assert not list((tmp_path / "out").glob("*.rank*")) and not list((tmp_path / "out").glob(".*partial"))
 
 
@@ -165,13 +171,8 @@ def test_a_stock_esm2_checkpoint_predicts_what_the_hugging_face_model_computes(t
     path, hf_model = stock_checkpoint
     data = write_sequences(tmp_path / "seqs.parquet", SEQUENCES[:3])
     run_script("predict.py", f"model_path={path}", f"data.path={data}", f"output_dir={tmp_path / 'out'}")
-    table = pq.read_table(tmp_path / "out" / "predictions.parquet").to_pydict()
-    embeddings = np.load(tmp_path / "out" / "embeddings.npy")
     tokenizer = AutoTokenizer.from_pretrained("tokenizer")
-    for row, sequence in enumerate(SEQUENCES[:3]):
-        embedding, pll = one_at_a_time(hf_model.eval(), hf_model.esm, tokenizer, sequence)
-        np.testing.assert_allclose(embeddings[row], embedding, atol=2e-5, rtol=1e-4)
-        assert table["pll"][row] == pytest.approx(pll, abs=1e-3, rel=1e-5)
+    assert_predictions_are_one_at_a_time(tmp_path / "out", SEQUENCES[:3], hf_model, hf_model.esm, tokenizer)
     result = run_in_process(
         "predict.py", f"model_path={path}", f"data.path={data}", f"output_dir={tmp_path / 'te'}", "backend=te",
         expect_failure=True,
@@ -187,10 +188,5 @@ def test_a_published_amplify_checkpoint_predicts_what_its_weights_compute(tmp_pa
     model.load_state_dict(weights)
     data = write_sequences(tmp_path / "seqs.parquet", SEQUENCES[:3])
     run_script("predict.py", f"model_path={path}", f"data.path={data}", f"output_dir={tmp_path / 'out'}")
-    table = pq.read_table(tmp_path / "out" / "predictions.parquet").to_pydict()
-    embeddings = np.load(tmp_path / "out" / "embeddings.npy")
     tokenizer = AutoTokenizer.from_pretrained("tokenizer_amplify")
-    for row, sequence in enumerate(SEQUENCES[:3]):
-        embedding, pll = one_at_a_time(model.eval(), model.amplify, tokenizer, sequence)
-        np.testing.assert_allclose(embeddings[row], embedding, atol=2e-5, rtol=1e-4)
-        assert table["pll"][row] == pytest.approx(pll, abs=1e-3, rel=1e-5)
+    assert_predictions_are_one_at_a_time(tmp_path / "out", SEQUENCES[:3], model, model.amplify, tokenizer)
