@@ -27,7 +27,8 @@ from distributed import cleanup_distributed, setup_distributed
 from model_families import family_of, load_tokenizer
 from omegaconf import DictConfig, OmegaConf
 from perf_logger import quiet_progress_bars_off_a_terminal
-from prediction import Predictor, merge_rank_files, write_rank_files
+from prediction import Predictor
+from prediction_files import contiguous_share, merge_rank_files, write_rank_files
 from recipe_paths import TOKENIZER_FILES, model_directory
 from user_errors import ConfigError, check_config, report_user_errors
 
@@ -126,7 +127,7 @@ def main(cfg: DictConfig) -> None:
     rows, ids, texts = read_sequences(cfg.data, tokenizer, log_stats=dist_config.is_main_process())
 
     # Each rank takes a contiguous share, so the shares joined in rank order are in input order.
-    share = np.array_split(np.arange(len(rows)), dist_config.world_size)[dist_config.rank]
+    share = contiguous_share(len(rows), dist_config.rank, dist_config.world_size)
     mine = tokenizer([texts[i] for i in share], add_special_tokens=True)["input_ids"] if len(share) else []
     predictor = Predictor(
         model, family.encoder(model), tokenizer.mask_token_id, device, cfg.token_budget, cfg.pll_token_budget
@@ -151,11 +152,11 @@ def main(cfg: DictConfig) -> None:
             residues,
             time.perf_counter() - started,
         )
-    write_rank_files(output_dir, dist_config.rank, pa.table(columns), embeddings)
+    write_rank_files(output_dir, dist_config.rank, pa.table(columns), embeddings, "predictions")
     if dist.is_initialized():
         dist.barrier()  # every rank's files are written
     if dist_config.is_main_process():
-        predictions, embedding_file = merge_rank_files(output_dir, dist_config.world_size)
+        predictions, embedding_file = merge_rank_files(output_dir, dist_config.world_size, "predictions")
         logger.info("Wrote %s (%d rows) and %s", predictions, len(rows), embedding_file)
     cleanup_distributed()
 

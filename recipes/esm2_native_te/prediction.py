@@ -1,4 +1,4 @@
-"""What predict.py computes for each protein sequence, and how the ranks' results become one set of files.
+"""What predict.py computes for each protein sequence.
 
 - **Embedding**: the mean of the encoder's last hidden states (after its final norm) over the sequence's residues, the
   start and end tokens left out, in float32: the usual per-protein ESM-2 embedding.
@@ -8,37 +8,15 @@
   runs only on the masked position of each copy.
 
 The sequences themselves are packed (THD) into passes of at most ``token_budget`` tokens, in input order; a sequence
-longer than the budget gets a pass of its own. Each rank writes its contiguous share of the rows
-(``predictions.rank<r>.parquet``, ``embeddings.rank<r>.npy``); :func:`merge_rank_files` then joins them, in input
-order, into ``predictions.parquet`` and ``embeddings.npy``, each written whole under a temporary name first.
+longer than the budget gets a pass of its own. Each rank takes a contiguous share of the rows;
+prediction_files.py joins the ranks' results, in input order, into ``predictions.parquet`` and ``embeddings.npy``.
 """
 
-import logging
-import os
-from collections.abc import Iterator
-from pathlib import Path
-
 import numpy as np
-import pyarrow as pa
-import pyarrow.parquet as pq
 import torch
 import torch.nn.functional as F
+from prediction_files import packed_passes
 from tqdm import tqdm
-
-
-logger = logging.getLogger(__name__)
-
-
-def packed_passes(lengths: list[int], token_budget: int) -> Iterator[range]:
-    """Consecutive runs of sequence indices whose tokens fit ``token_budget`` together (a longer one runs alone)."""
-    start, tokens = 0, 0
-    for index, length in enumerate(lengths):
-        if index > start and tokens + length > token_budget:
-            yield range(start, index)
-            start, tokens = index, 0
-        tokens += length
-    if start < len(lengths):
-        yield range(start, len(lengths))
 
 
 class Predictor:
@@ -109,27 +87,3 @@ class Predictor:
         masked, true = masked.to(self.device), true.to(self.device)
         log_probs = torch.log_softmax(self.model.head(hidden[masked]).float(), dim=-1)
         totals.index_add_(0, rows.to(self.device), log_probs.gather(1, true[:, None]).squeeze(1).double())
-
-
-def write_rank_files(output_dir: Path, rank: int, table: pa.Table, embeddings: np.ndarray) -> None:
-    """This rank's rows (its contiguous share, in input order) and their embeddings."""
-    pq.write_table(table, output_dir / f"predictions.rank{rank}.parquet")
-    np.save(output_dir / f"embeddings.rank{rank}.npy", embeddings)
-
-
-def merge_rank_files(output_dir: Path, world_size: int) -> tuple[Path, Path]:
-    """Join the ranks' files in rank order (= input order) into ``predictions.parquet`` and ``embeddings.npy``; each is
-    written whole under a temporary name and then renamed, so a file under the final name is always complete."""
-    tables = [pq.read_table(output_dir / f"predictions.rank{rank}.parquet") for rank in range(world_size)]
-    arrays = [np.load(output_dir / f"embeddings.rank{rank}.npy") for rank in range(world_size)]
-    arrays = [array for array in arrays if array.size] or arrays[:1]  # a rank with no rows wrote a 0 x 0 array
-    predictions, embeddings = output_dir / "predictions.parquet", output_dir / "embeddings.npy"
-    pq.write_table(pa.concat_tables(tables), output_dir / ".predictions.parquet.partial")
-    with open(output_dir / ".embeddings.npy.partial", "wb") as handle:
-        np.save(handle, np.concatenate(arrays).astype(np.float32))
-    os.replace(output_dir / ".predictions.parquet.partial", predictions)
-    os.replace(output_dir / ".embeddings.npy.partial", embeddings)
-    for rank in range(world_size):
-        (output_dir / f"predictions.rank{rank}.parquet").unlink()
-        (output_dir / f"embeddings.rank{rank}.npy").unlink()
-    return predictions, embeddings

@@ -10,7 +10,6 @@ from hf_export import write_hf_directory
 from launch import run_in_process, run_script
 from modeling_amplify_te import NVAmplifyConfig, NVAmplifyForMaskedLM
 from modeling_esm_te import NVEsmConfig, NVEsmForMaskedLM, NVEsmForTokenClassification
-from prediction import packed_passes
 from test_amplify import published_checkpoint, tiny_config  # noqa: F401 (a fixture, used by name)
 from transformers import AutoTokenizer
 
@@ -65,11 +64,6 @@ def assert_predictions_are_one_at_a_time(out_dir, sequences, model, encoder, tok
         assert table["pll"][row] == pytest.approx(pll, abs=1e-3, rel=1e-5)
         assert table["mean_log_likelihood"][row] == pytest.approx(pll / len(sequence), abs=1e-4)
     return table
-
-
-def test_packed_passes_fill_the_budget_and_keep_the_order():
-    assert [list(run) for run in packed_passes([5, 5, 5, 12, 3, 3], 10)] == [[0, 1], [2], [3], [4, 5]]
-    assert list(packed_passes([], 10)) == []
 
 
 @pytest.mark.parametrize("family", ["esm2", "amplify"])
