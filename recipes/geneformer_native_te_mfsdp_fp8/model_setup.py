@@ -69,15 +69,16 @@ def model_source(cfg: DictConfig) -> str:
     return str(cfg.model_tag)
 
 
-def is_stock_bert(source: str) -> bool:
-    """True for a stock ``BertForMaskedLM`` (published Geneformer), False for this project's config or export."""
+def is_stock_bert(source: str, key: str = "model_tag") -> bool:
+    """True for a stock ``BertForMaskedLM`` (published Geneformer), False for this project's config or export. ``key``
+    is the config key that named ``source``, for the error message."""
     config = PretrainedConfig.get_config_dict(source)[0]
     if any(name.startswith("NVGeneformer") for name in config.get("architectures") or []):
         return False
     if config.get("model_type") == "bert":
         return True
     raise ConfigError(
-        f"model_tag {source} holds a {config.get('model_type')!r} model, not Geneformer (BERT): point it at one of "
+        f"{key} {source} holds a {config.get('model_type')!r} model, not Geneformer (BERT): point it at one of "
         "this recipe's model_configs/, an export of this recipe, or a published Geneformer (BertForMaskedLM) checkpoint"
     )
 
