@@ -177,8 +177,11 @@ def _hydra_message(error: Exception) -> str:
         close = difflib.get_close_matches(str(getattr(cause, "key", key)), known, n=1)
         prefix = key.rsplit(".", 1)[0] + "." if "." in key else ""
         hint = f"did you mean {prefix}{close[0]}? " if close else ""
-        # Training entrypoints read defaults.yaml's keys; a predict.py has its own file, predict.yaml.
-        listing = "predict.yaml" if Path(sys.argv[0]).stem == "predict" else "defaults.yaml"
+        # Training entrypoints read defaults.yaml's keys; an inference script (predict.py, embed.py) has its own
+        # file named after it (predict.yaml, embed.yaml).
+        script = Path(sys.argv[0])
+        own = script.parent / "hydra_config" / f"{script.stem}.yaml"
+        listing = own.name if script.stem != "defaults" and own.is_file() else "defaults.yaml"
         return (
             f"{key} is not a config key: {hint}hydra_config/{listing} lists every key "
             f"(a new key in an open dict such as model_config_overrides takes a '+': +{key}=...)"

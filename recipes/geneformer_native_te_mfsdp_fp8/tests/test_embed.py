@@ -81,7 +81,7 @@ def test_an_export_over_two_processes_equals_one_process_and_bert(tmp_path, stoc
         ("dataset.input_ids_column=genes", "no column 'genes'; columns are"),
         ("dtype=float16", "dtype=float16: choose auto, float32 or bfloat16"),
         ("dataset.empty_cell_policy=error", "an empty cell (1 in the file)"),
-        ("hiden_layer=1", "hiden_layer"),
+        ("hiden_layer=1", "did you mean hidden_layer? hydra_config/embed.yaml lists every key"),
     ],
 )
 def test_user_errors_name_the_key_and_write_nothing(tmp_path, stock_checkpoint, cell_files, override, message):
