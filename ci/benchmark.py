@@ -23,6 +23,7 @@ It must run on the machine being measured; it never asserts on a number.
 import argparse
 import datetime
 import json
+import os
 import re
 import subprocess
 import sys
@@ -171,9 +172,16 @@ def markdown_row(result: dict) -> str:
     return "| " + " | ".join(str(c) for c in cells) + " |"
 
 
+COMMIT_VARIABLE = "BENCHMARK_SOURCE_COMMIT"
+
+
 def source_commit() -> str | None:
     """The commit of the code being measured, ``+dirty`` when tracked files differ from it; None outside a git
-    checkout (a copied working tree on a GPU machine), where the notes must name the commit by hand."""
+    checkout, where the notes must name the commit by hand. ``$BENCHMARK_SOURCE_COMMIT``, when set, is taken as is:
+    for a working tree copied to a GPU machine whose ``.git`` is not that tree's own (it may name an older commit
+    with the newer files as changes, which would read ``<old>+dirty``)."""
+    if os.environ.get(COMMIT_VARIABLE):
+        return os.environ[COMMIT_VARIABLE]
     try:
         git = ["git", "-C", str(REPO_ROOT)]
         head = subprocess.run([*git, "rev-parse", "--short", "HEAD"], capture_output=True, text=True, check=True)

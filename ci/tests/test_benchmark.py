@@ -237,6 +237,7 @@ def test_gpu_memory_cap_without_a_gpu_ends_the_benchmark_in_one_error_line(tmp_p
 
 
 def test_the_row_names_the_commit_and_the_note(tmp_path, monkeypatch):
+    monkeypatch.delenv(benchmark.COMMIT_VARIABLE, raising=False)
     commit = benchmark.source_commit()
     assert re.fullmatch(r"[0-9a-f]{7,40}(\+dirty)?", commit)
     result = {
@@ -249,4 +250,7 @@ def test_the_row_names_the_commit_and_the_note(tmp_path, monkeypatch):
     # A copied tree without git (as on a GPU machine) has no commit to name; the row then says nothing of one.
     monkeypatch.setattr(benchmark, "REPO_ROOT", tmp_path)
     assert benchmark.source_commit() is None
+    # A tree copied with a stale .git: the commit it was copied from, as the caller names it.
+    monkeypatch.setenv(benchmark.COMMIT_VARIABLE, "57dd776")
+    assert benchmark.source_commit() == "57dd776"
     assert "commit" not in benchmark.markdown_row({**result, "commit": None, "note": None})
