@@ -1,3 +1,4 @@
+# Copied from common/generate.py — edit the source, then run ci/check_copies.py --fix
 """Generate DNA from an exported checkpoint (``<output_dir>/final_model``), the way any user of the export would.
 
     python generate.py outputs/L0_sanity/final_model --prompt ACGTTGCA --max-new-tokens 200
@@ -10,6 +11,7 @@ and a config that picks TransformerEngine on a CUDA machine and pure PyTorch els
 import argparse
 
 import torch
+from perf_logger import quiet_progress_bars_off_a_terminal
 from recipe_paths import model_directory, tokenizer_source
 from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
 from user_errors import ConfigError, run
@@ -66,6 +68,7 @@ def main() -> None:
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--backend", choices=["auto", "te", "torch"], default="auto")
     args = parser.parse_args()
+    quiet_progress_bars_off_a_terminal()  # piped to a file: no carriage-return bar while the weights load
     model, tokenizer = load(args.model_dir, args.backend)
     for text in generate(
         model, tokenizer, args.prompt, args.max_new_tokens, args.num_samples, args.temperature, args.top_k, args.seed

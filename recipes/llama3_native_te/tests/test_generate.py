@@ -1,3 +1,4 @@
+# Copied from common/tests/test_generate.py — edit the source, then run ci/check_copies.py --fix
 """generate.py on a tiny export: greedy output equals a hand-rolled argmax loop over the full prefix (no cache)."""
 
 import pytest
