@@ -71,6 +71,13 @@ def test_an_export_over_two_processes_equals_one_process_and_bert(tmp_path, stoc
     np.testing.assert_allclose(one, expected_embeddings(hf_model, cells, -1), atol=1e-5, rtol=1e-4)
 
 
+def test_a_layer_counted_from_the_start_is_that_hidden_state(tmp_path, stock_checkpoint, cell_files):
+    path, hf_model = stock_checkpoint
+    _, embeddings = embed(tmp_path / "out", path, cell_files, "hidden_layer=0")  # the embedding layer's output
+    cells = [FIRST[0], FIRST[1], *SECOND]
+    np.testing.assert_allclose(embeddings, expected_embeddings(hf_model, cells, 0), atol=1e-5, rtol=1e-4)
+
+
 @pytest.mark.parametrize(
     ("override", "message"),
     [
