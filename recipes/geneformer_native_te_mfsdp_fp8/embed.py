@@ -90,9 +90,8 @@ class CellEmbedder:
         return torch.cat(rows).numpy() if rows else np.zeros((0, 0), dtype=np.float32)
 
 
-def kept_columns(path: str, columns: list[str]) -> pa.Table:
-    """``columns`` of every cell file named by ``path``, the files' rows end to end (the order cells are counted in)."""
-    files = parquet_files(path)
+def kept_columns(files: list[Path], columns: list[str]) -> pa.Table:
+    """``columns`` of every cell file, the files' rows end to end (the order cells are counted in)."""
     tables = []
     for file in files:
         names = pq.read_schema(file).names
@@ -157,10 +156,10 @@ def main(cfg: DictConfig) -> None:
     if not dist_config.is_main_process():  # load_cells logs its summary: once is enough
         logging.getLogger("dataset").setLevel(logging.ERROR)
     cells = load_cells(data.path, tokenizer, data.input_ids_column, max_seq_length, data.empty_cell_policy)
+    files = parquet_files(data.path)  # the files load_cells read, in its order
     keep = list(data.keep_columns)
-    extra = kept_columns(data.path, keep) if keep else None
+    extra = kept_columns(files, keep) if keep else None
     used = np.flatnonzero(cells.lengths > 0)  # empty cells skipped by the policy (load_cells raised if "error")
-    files = parquet_files(data.path)
     file_starts = np.concatenate([[0], np.cumsum(np.bincount(cells.file_of_row, minlength=len(files)))])
 
     # Each rank takes a contiguous share, so the shares joined in rank order are in input order.

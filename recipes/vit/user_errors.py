@@ -181,7 +181,7 @@ def _hydra_message(error: Exception) -> str:
         # file named after it (predict.yaml, embed.yaml).
         script = Path(sys.argv[0])
         own = script.parent / "hydra_config" / f"{script.stem}.yaml"
-        listing = own.name if script.stem != "defaults" and own.is_file() else "defaults.yaml"
+        listing = own.name if own.is_file() else "defaults.yaml"
         return (
             f"{key} is not a config key: {hint}hydra_config/{listing} lists every key "
             f"(a new key in an open dict such as model_config_overrides takes a '+': +{key}=...)"
