@@ -23,6 +23,7 @@ import gzip
 import json
 import logging
 import warnings
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -102,22 +103,26 @@ def _open_text(file: Path):
     return gzip.open(file, "rt") if file.name.endswith(".gz") else open(file)
 
 
-def _read_fasta(file: Path) -> list[str]:
-    sequences, current = [], None
+def iter_fasta(file: Path) -> Iterator[tuple[str, str]]:
+    """(header, sequence) pairs, one record in memory at a time; line breaks inside a sequence are dropped."""
+    name, chunks = None, []
     with _open_text(file) as fh:
         for number, line in enumerate(fh, 1):
             line = line.strip()
             if line.startswith(">"):
-                if current is not None:
-                    sequences.append("".join(current))
-                current = []
+                if name is not None:
+                    yield name, "".join(chunks)
+                name, chunks = line[1:].strip(), []
             elif line:
-                if current is None:
+                if name is None:
                     raise ConfigError(f"{file}:{number}: sequence data before the first '>' header; not FASTA")
-                current.append(line)
-    if current is not None:
-        sequences.append("".join(current))
-    return sequences
+                chunks.append(line)
+    if name is not None:
+        yield name, "".join(chunks)
+
+
+def _read_fasta(file: Path) -> list[str]:
+    return [sequence for _, sequence in iter_fasta(file)]
 
 
 def _read_column(file: Path, fmt: str, column: str) -> list[str]:

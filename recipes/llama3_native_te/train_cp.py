@@ -89,6 +89,8 @@ def main(cfg: DictConfig) -> None:
     start_step = 0
     if cfg.checkpoint.resume:
         start_step = checkpointer.load_latest(model, optimizer, scheduler, dataloader)
+    if dist_config.is_main_process():  # after resuming: a run refused for another model shape leaves it as it was
+        built.config.save_pretrained(Path(cfg.checkpoint.ckpt_dir) / "model_config")
     with torch.random.fork_rng(devices=[]):  # making the iterator draws from the RNG; keep resumed runs identical
         batches = iter(dataloader)
 

@@ -67,7 +67,8 @@ def main(cfg: DictConfig) -> None:
         wandb_mode=cfg.wandb.mode,
     )
 
-    # Resume from the newest complete checkpoint (sharded model/optimizer, schedule, data position, RNG).
+    # Resume from the newest complete checkpoint (sharded model/optimizer, schedule, data position, RNG). The model
+    # config goes beside the checkpoints, so scripts/evaluate_fasta_lm_loss.py can rebuild the model from one.
     checkpointer = Checkpointer(
         cfg.checkpoint.ckpt_dir,
         "fsdp2",
@@ -77,6 +78,8 @@ def main(cfg: DictConfig) -> None:
     start_step = 0
     if cfg.checkpoint.resume:
         start_step = checkpointer.load_latest(model, optimizer, scheduler, dataloader)
+    if dist_config.is_main_process():  # after resuming: a run refused for another model shape leaves it as it was
+        built.config.save_pretrained(Path(cfg.checkpoint.ckpt_dir) / "model_config")
     with torch.random.fork_rng(devices=[]):  # making the iterator draws from the RNG; keep resumed runs identical
         batches = iter(dataloader)
 

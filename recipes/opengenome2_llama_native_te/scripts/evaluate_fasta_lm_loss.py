@@ -1,13 +1,16 @@
+# Copied from common/evaluate_fasta_lm_loss.py — edit the source, then run ci/check_copies.py --fix
 """Per-sequence negative log-likelihood and perplexity of a DNA language model over a FASTA file, as JSON.
 
-    python scripts/evaluate_fasta_lm_loss.py outputs/og2_7b_thd_gqa/final_model eval.fasta --output eval.json
-    python scripts/evaluate_fasta_lm_loss.py outputs/og2_7b_thd_gqa/checkpoints/step_20000 eval.fasta  # DCP
+    python scripts/evaluate_fasta_lm_loss.py outputs/<run>/final_model eval.fasta --output eval.json
+    python scripts/evaluate_fasta_lm_loss.py outputs/<run>/checkpoints/step_20000 eval.fasta  # a training checkpoint
 
 The checkpoint is either an exported Hugging Face directory (loaded with ``AutoModelForCausalLM`` and
-``trust_remote_code``: this recipe's ``final_model/`` or any causal LM with a nucleotide vocabulary) or a DCP
-checkpoint directory of this recipe (``checkpoints/step_<N>``; the model config is read from ``../model_config``,
-written by train_fsdp2.py, or from ``--model-config``). The same script and FASTA give comparable numbers for two
-models, which is how a run is compared with a Megatron baseline (export the baseline to Hugging Face format first).
+``trust_remote_code``: this recipe's ``final_model/`` or any causal LM with a nucleotide vocabulary) or a complete
+training checkpoint of this recipe (``checkpoints/step_<N>``: DCP from FSDP2 or context parallelism, or DDP's
+``train_state.pt``; the model config is read from ``../model_config``, which the training scripts write beside their
+checkpoints, or from ``--model-config``). A checkpoint still being written (``step_<N>.tmp``, or no ``COMPLETE``
+marker) is refused. The same script and FASTA give comparable numbers for two models, which is how a run is compared
+with a Megatron baseline (export the baseline to Hugging Face format first).
 
 Scoring rules, those of training: each sequence is ``<bos>`` + bases (``--no-bos`` to leave it out); every base is
 predicted from the tokens before it; bases other than A/C/G/T (N, IUPAC codes) are not scored; lowercase
@@ -31,6 +34,7 @@ import torch
 
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # the recipe's flat modules
+from checkpoint import COMPLETE_MARKER
 from collator import IGNORE_INDEX, LabelMaker
 from dataset import iter_fasta
 from recipe_paths import model_directory
@@ -53,7 +57,8 @@ def scoring_windows(length: int, window_length: int, stride: int) -> list[tuple[
 
 
 def load_model(checkpoint: Path, model_config: Path | None, backend: str, device: torch.device):
-    """An exported Hugging Face directory, or a DCP checkpoint of this recipe; in eval mode on ``device``."""
+    """An exported Hugging Face directory, or a complete training checkpoint of this recipe; in eval mode on
+    ``device``."""
     if (checkpoint / "config.json").is_file():
         from transformers import AutoConfig, AutoModelForCausalLM
 
@@ -64,9 +69,17 @@ def load_model(checkpoint: Path, model_config: Path | None, backend: str, device
         if hasattr(config, "backend") and backend != "auto":
             config.backend = backend
         return AutoModelForCausalLM.from_pretrained(checkpoint, config=config, **kwargs).to(device).eval()
-    if not (checkpoint / ".metadata").is_file():
-        raise FileNotFoundError(f"{checkpoint} is neither a Hugging Face directory (config.json) nor a DCP checkpoint")
-    import torch.distributed.checkpoint as dcp
+    ddp_state = checkpoint / "train_state.pt"
+    if not ((checkpoint / ".metadata").is_file() or ddp_state.is_file()):
+        raise FileNotFoundError(
+            f"{checkpoint} is neither a Hugging Face directory (config.json) nor a training checkpoint (a DCP "
+            f".metadata or DDP's train_state.pt)"
+        )
+    if not (checkpoint / COMPLETE_MARKER).is_file():
+        raise ConfigError(
+            f"{checkpoint} has no {COMPLETE_MARKER} marker: it is still being written, or its save was cut short; "
+            "evaluate a complete checkpoints/step_<N> or the run's final_model"
+        )
     from modeling_llama_te import NVLlamaConfig, NVLlamaForCausalLM
 
     config_dir = model_config or checkpoint.parent / "model_config"
@@ -77,16 +90,31 @@ def load_model(checkpoint: Path, model_config: Path | None, backend: str, device
         model = NVLlamaForCausalLM(config)
     # TE's _extra_state (FP8 scaling history) is runtime state, and differs between backends: weights only.
     weights = {k: v for k, v in model.state_dict().items() if not k.endswith("_extra_state")}
-    state = {"model": weights}
-    with warnings.catch_warnings():  # "assuming the intent is to load in a single process": it is
-        warnings.filterwarnings("ignore", message="torch.distributed is disabled")
-        dcp.load(state, checkpoint_id=str(checkpoint), no_dist=True)
-    missing, unexpected = model.load_state_dict(state["model"], strict=False)
-    if unexpected or any(not key.endswith("_extra_state") for key in missing):
+    if ddp_state.is_file():
+        saved = torch.load(ddp_state, map_location=device, weights_only=True)["model"]
+        saved = {k: v for k, v in saved.items() if not k.endswith("_extra_state")}
+    else:
+        import torch.distributed.checkpoint as dcp
+
+        state = {"model": weights}
+        with warnings.catch_warnings():  # "assuming the intent is to load in a single process": it is
+            warnings.filterwarnings("ignore", message="torch.distributed is disabled")
+            try:
+                dcp.load(state, checkpoint_id=str(checkpoint), no_dist=True)
+            except (dcp.api.CheckpointException, RuntimeError, ValueError) as error:  # a key or a shape differs
+                raise ConfigError(
+                    f"checkpoint {checkpoint} does not match the model of {config_dir} ({error}); pass "
+                    "--model-config <the run's checkpoints/model_config>"
+                ) from None
+        saved = state["model"]
+    if saved.keys() != weights.keys() or any(saved[k].shape != weights[k].shape for k in weights):
         raise ConfigError(
-            f"checkpoint {checkpoint} does not match the model of {config_dir}: missing {missing}, unexpected "
-            f"{unexpected}; pass --model-config <the run's checkpoints/model_config>"
+            f"checkpoint {checkpoint} does not match the model of {config_dir}: missing "
+            f"{sorted(weights.keys() - saved.keys())}, unexpected {sorted(saved.keys() - weights.keys())}, other "
+            f"shapes {sorted(k for k in weights.keys() & saved.keys() if saved[k].shape != weights[k].shape)}; pass "
+            "--model-config <the run's checkpoints/model_config>"
         )
+    model.load_state_dict(saved, strict=False)  # strict=False: only the _extra_state entries are left out
     return model.eval()
 
 
@@ -168,7 +196,7 @@ def evaluate(args: argparse.Namespace) -> dict:
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("checkpoint", help="exported Hugging Face directory or DCP checkpoint directory (step_<N>)")
+    parser.add_argument("checkpoint", help="Hugging Face export or training checkpoint directory (step_<N>)")
     parser.add_argument("fasta", help="FASTA file (.fa/.fasta/.fna, optionally .gz)")
     parser.add_argument("--output", help="write the JSON here (default: stdout)")
     parser.add_argument("--window-length", type=int, default=8192, help="tokens per forward pass (default 8192)")
@@ -178,7 +206,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--precision", choices=["bf16", "fp32"], default="bf16", help="compute on CUDA (CPU: fp32)")
     parser.add_argument("--backend", choices=["auto", "te", "torch"], default="auto", help="layer implementation")
     parser.add_argument("--tokenizer", help="tokenizer directory (default: the checkpoint's, else the recipe's)")
-    parser.add_argument("--model-config", help="directory with config.json for a DCP checkpoint")
+    parser.add_argument("--model-config", help="directory with config.json for a training checkpoint")
     args = parser.parse_args(argv)
     try:
         report = evaluate(args)
