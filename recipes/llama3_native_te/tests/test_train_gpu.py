@@ -83,6 +83,24 @@ def test_te_backend_learns(tmp_path, script, overrides):
     assert_validation_is_the_exports(tmp_path, settings["input_format"], int(settings.get("micro_batch_size", 1)))
 
 
+@pytest.mark.requires_te
+def test_evaluation_script_scores_a_te_checkpoint_as_its_export_on_cpu(tmp_path):
+    """scripts/evaluate_fasta_lm_loss.py on an FSDP2 TE run: its last DCP checkpoint with TE in bf16 on the GPU and
+    its export with the torch backend in fp32 on CPU give the same token-weighted NLL, to bf16 precision."""
+    train_on_gpu("train_fsdp2.py", tmp_path, "+model_config_overrides.backend=te", "dataset.input_format=thd")
+
+    def evaluate(checkpoint: Path, output: Path, *args: str) -> dict:
+        fasta = RECIPE_DIR / "data/sanity_dna_valid.fasta"
+        script_args = [str(checkpoint), str(fasta), "--window-length", "128", "--output", str(output), *args]
+        run_script("scripts/evaluate_fasta_lm_loss.py", *script_args, cpu_only="cpu" in args)
+        return json.loads(output.read_text())
+
+    on_gpu = evaluate(tmp_path / "checkpoints/step_80", tmp_path / "gpu.json", "--backend", "te", "--device", "cuda")
+    on_cpu = evaluate(tmp_path / "final_model", tmp_path / "cpu.json", "--backend", "torch", "--device", "cpu")
+    assert on_gpu["precision"] == "bf16" and on_gpu["token_weighted_nll"] < LOSS_THRESHOLD
+    assert on_gpu["token_weighted_nll"] == pytest.approx(on_cpu["token_weighted_nll"], abs=0.03)
+
+
 FUSED_LAYERS_LOG = "(FusedResidualTransformerLayer: residual adds in the RMSNorm kernels, RoPE in the QKV buffer)"
 
 
