@@ -90,30 +90,29 @@ def load_model(checkpoint: Path, model_config: Path | None, backend: str, device
     # TE's _extra_state (FP8 scaling history) is runtime state, and differs between backends: weights only.
     weights = {k: v for k, v in model.state_dict().items() if not k.endswith("_extra_state")}
     if ddp_state.is_file():
-        saved = torch.load(ddp_state, map_location=device, weights_only=True)["model"]
+        # Memory-mapped: only the model's tensors are read, not the optimizer state beside them.
+        saved = torch.load(ddp_state, map_location="cpu", mmap=True, weights_only=True)["model"]
         saved = {k: v for k, v in saved.items() if not k.endswith("_extra_state")}
+        if saved.keys() != weights.keys() or any(saved[k].shape != weights[k].shape for k in weights):
+            raise ConfigError(
+                f"checkpoint {checkpoint} does not match the model of {config_dir}: missing "
+                f"{sorted(weights.keys() - saved.keys())}, unexpected {sorted(saved.keys() - weights.keys())}, "
+                f"other shapes {sorted(k for k in weights.keys() & saved.keys() if saved[k].shape != weights[k].shape)}"
+                "; pass --model-config <the run's checkpoints/model_config>"
+            )
+        model.load_state_dict(saved, strict=False)  # strict=False: only the _extra_state entries are left out
     else:
         import torch.distributed.checkpoint as dcp
 
-        state = {"model": weights}
         with warnings.catch_warnings():  # "assuming the intent is to load in a single process": it is
             warnings.filterwarnings("ignore", message="torch.distributed is disabled")
-            try:
-                dcp.load(state, checkpoint_id=str(checkpoint), no_dist=True)
+            try:  # in place, into the model's own tensors
+                dcp.load({"model": weights}, checkpoint_id=str(checkpoint), no_dist=True)
             except (dcp.api.CheckpointException, RuntimeError, ValueError) as error:  # a key or a shape differs
                 raise ConfigError(
                     f"checkpoint {checkpoint} does not match the model of {config_dir} ({error}); pass "
                     "--model-config <the run's checkpoints/model_config>"
                 ) from None
-        saved = state["model"]
-    if saved.keys() != weights.keys() or any(saved[k].shape != weights[k].shape for k in weights):
-        raise ConfigError(
-            f"checkpoint {checkpoint} does not match the model of {config_dir}: missing "
-            f"{sorted(weights.keys() - saved.keys())}, unexpected {sorted(saved.keys() - weights.keys())}, other "
-            f"shapes {sorted(k for k in weights.keys() & saved.keys() if saved[k].shape != weights[k].shape)}; pass "
-            "--model-config <the run's checkpoints/model_config>"
-        )
-    model.load_state_dict(saved, strict=False)  # strict=False: only the _extra_state entries are left out
     return model.eval()
 
 
