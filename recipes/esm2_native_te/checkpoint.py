@@ -17,8 +17,9 @@ Inside a checkpoint:
 - ``rank<r>_state.pt``: per-rank state, saved by every rank because ranks read different data: the
   ``StatefulDataLoader`` position and the RNG streams (masking, dropout and anything else that draws from them).
   A run resumed on another number of ranks restores everything but the RNG streams; a loader whose batch sampler can
-  continue other ranks' positions (``EpochBatchSampler.continue_from``) gets all saved ranks' positions and goes on
-  with the rows of the epoch that none of them had read, any other loader starts its data afresh;
+  continue other ranks' positions (``EpochBatchSampler.continue_from``, or an iterable dataset with the same three
+  methods, as Llama's ``GenomicBatches``) gets all saved ranks' positions and goes on with the rows of the epoch that
+  none of them had read, any other loader starts its data afresh;
 - DDP: ``train_state.pt`` from rank 0 (model, optimizer, scheduler, step);
 - FSDP2 / Megatron-FSDP: a ``torch.distributed.checkpoint`` (DCP) directory of sharded model and optimizer states
   plus scheduler and step, each rank writing its own shards.
@@ -376,7 +377,8 @@ class Checkpointer:
         if rank_state is not None and rank_state["world_size"] == _world_size():
             loader_state = rank_state["dataloader"]
             sampler_state = sampler.position_in(loader_state) if sampler is not None else None
-            # (The same number of ranks may still be another split into data-parallel ranks, e.g. another cp_size.)
+            # (The same number of ranks may still read the data otherwise: another split into data-parallel ranks,
+            # e.g. another cp_size, or, for Llama's windows, another batch shape.)
             if sampler is None or sampler_state is None or sampler.reads_like(sampler_state):
                 if dataloader is not None and loader_state is not None:
                     dataloader.load_state_dict(loader_state)
@@ -390,7 +392,7 @@ class Checkpointer:
             except (ValueError, FileNotFoundError) as err:
                 data = f"the data order starts afresh ({err})"
         if saved_world == _world_size():
-            ranks = f"was written by {saved_world} ranks split into other data-parallel groups (another cp_size)"
+            ranks = f"was written by {saved_world} ranks that read the data otherwise (another cp_size or batch shape)"
         else:
             ranks = f"was written by {saved_world or 'an unknown number of'} ranks, this run has {_world_size()}"
         logger.warning(
@@ -414,10 +416,13 @@ def _saved_world_size(path: Path) -> int | None:
 
 
 def _continuable_sampler(dataloader: Any) -> Any:
-    """The loader's batch sampler if it can continue another world's positions (``EpochBatchSampler``), else None."""
-    sampler = getattr(dataloader, "batch_sampler", None)
+    """What orders the loader's data, if it can continue another world's positions, else None: its batch sampler
+    (``EpochBatchSampler``) or its iterable dataset (Llama's ``GenomicBatches``)."""
     needed = ("continue_from", "reads_like", "position_in")
-    return sampler if all(hasattr(sampler, name) for name in needed) else None
+    for source in (getattr(dataloader, "batch_sampler", None), getattr(dataloader, "dataset", None)):
+        if all(hasattr(source, name) for name in needed):
+            return source
+    return None
 
 
 def _saved_sampler_states(path: Path, saved_world: int, sampler: Any) -> list[dict]:

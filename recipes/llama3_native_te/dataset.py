@@ -10,12 +10,16 @@ once (``<bos>`` + bases + ``<eos>``) and cut into windows of ``max_seq_length`` 
 ``window_overlap`` tokens (see ``sequence_windows.window_starts``). The recipe keeps the tokens in memory (one byte per
 base): fine for the benchmark and sanity data; stream a larger corpus through your own loader.
 
-Order: every epoch permutes all windows with ``seed + epoch``; rank ``r`` of ``n`` takes every n-th window of that
-permutation. The stream never ends (epochs follow each other), so every rank can take any number of steps.
+Order (``window_order.WindowOrder``): every epoch permutes all windows with ``[seed, epoch]``; rank ``r`` of ``n``
+takes every n-th window of that permutation. The stream never ends (epochs follow each other), so every rank can
+take any number of steps.
 
 Resume: the dataset's state is the number of batches it has produced. Everything else is a pure function of the
 seed, so loading that number and replaying the index arithmetic (no tokenization) restarts at the same token,
-including the tail of a window that packing split over two batches.
+including the tail of a window that packing split over two batches. A run resumed on another number of
+data-parallel ranks (or with another batch shape) replays every old rank's stream to where it stopped and deals the
+windows of that epoch that none of them had started out to the new ranks (``GenomicBatches.continue_from``, called
+by ``checkpoint.Checkpointer``).
 """
 
 import glob
@@ -24,6 +28,7 @@ import json
 import logging
 import warnings
 from collections.abc import Iterator
+from itertools import islice
 from pathlib import Path
 from typing import Any
 
@@ -37,6 +42,7 @@ from sequence_windows import window_starts
 from torchdata.stateful_dataloader import StatefulDataLoader
 from user_errors import ConfigError, PathNotFoundError
 from validation import HeldOutBatches
+from window_order import WindowOrder
 
 
 logger = logging.getLogger(__name__)
@@ -58,6 +64,10 @@ DEFAULTS = {
     "shuffle": True,
     "num_workers": 1,
 }
+# What a saved data position means: with the data and the seed, which windows are read in what order, and how
+# batches take them (a resume replays the old ranks' streams with these).
+WINDOW_KEYS = ("max_seq_length", "window_overlap", "shuffle")
+BATCH_SHAPE_KEYS = ("input_format", "token_budget", "split_samples", "micro_batch_size")
 
 
 # ---------------------------------------------------------------------------------------------- reading sources
@@ -217,24 +227,21 @@ class GenomicBatches(torch.utils.data.IterableDataset):
                 f"{len(self.windows)} windows cannot be split over {dp_world_size} data-parallel ranks; use more data "
                 "or fewer ranks"
             )
+        self.order = WindowOrder(len(self.windows), seed, cfg["shuffle"])
         self.labels = LabelMaker(tokenizer, cfg["uppercase_labels"], cfg["mask_degenerate_bases"])
         self.pad_token_id = pad_token_id(tokenizer)
-        self.batches_done = 0  # the whole resumable state
+        self.batches_done = 0  # batches this world's stream has produced: with the history, the resumable state
+        self.history: list[dict] = []  # the run's earlier worlds (window_order.WindowOrder), oldest first
 
-    def _window_stream(self):
-        length = self.cfg["max_seq_length"]
-        epoch = 0
-        while True:
-            order = np.arange(len(self.windows))
-            if self.cfg["shuffle"]:
-                order = np.random.default_rng([self.seed, epoch]).permutation(len(self.windows))
-            for position in order[self.dp_rank :: self.dp_world_size]:
-                index, start = self.windows[position]
-                yield self.tokens[index][start : start + length]
-            epoch += 1
+    def _window(self, position: int) -> np.ndarray:
+        index, start = self.windows[position]
+        return self.tokens[index][start : start + self.cfg["max_seq_length"]]
+
+    def _window_stream(self, dp_rank: int, dp_world_size: int, history: list[dict]) -> Iterator[np.ndarray]:
+        return (self._window(position) for _, _, position in self.order.stream(dp_rank, dp_world_size, history))
 
     def _batch_stream(self):
-        windows = self._window_stream()
+        windows = self._window_stream(self.dp_rank, self.dp_world_size, self.history)
         if self.cfg["input_format"] == "thd":
             for pieces in pack_windows(windows, self.cfg["token_budget"], self.cfg["split_samples"]):
                 yield lambda pieces=pieces: self._thd_batch(pieces)
@@ -255,11 +262,98 @@ class GenomicBatches(torch.utils.data.IterableDataset):
             self.batches_done = number + 1
             yield make_batch()
 
-    def state_dict(self) -> dict[str, int]:
-        return {"batches_done": self.batches_done}
+    # ---- resume: the same world restores ``batches_done``; another world continues the epoch (``continue_from``)
 
-    def load_state_dict(self, state: dict[str, int]) -> None:
+    def state_dict(self) -> dict:
+        return {
+            "batches_done": self.batches_done,
+            "history": [dict(world) for world in self.history],
+            "dp_rank": self.dp_rank,
+            "dp_world_size": self.dp_world_size,
+            # What it takes to replay this stream elsewhere: which windows there are and how batches take them.
+            **{key: self.cfg[key] for key in (*WINDOW_KEYS, *BATCH_SHAPE_KEYS)},
+            "num_windows": len(self.windows),
+        }
+
+    def load_state_dict(self, state: dict) -> None:
         self.batches_done = int(state["batches_done"])
+        self.history = list(state.get("history", []))
+
+    @staticmethod
+    def position_in(loader_state: dict | None) -> dict | None:
+        """This dataset's state inside a ``StatefulDataLoader`` state (with no worker process or with one)."""
+        if not loader_state:
+            return None
+        workers = loader_state.get("_snapshot", {}).get("_worker_snapshots")
+        return workers["worker_0"].get("dataset_state") if workers else loader_state.get("dataset_state")
+
+    def reads_like(self, state: dict) -> bool:
+        """Whether ``state`` is this DP rank's own stream (same world, same batch shape) that ``batches_done`` alone
+        restores; states older than these keys are taken to be."""
+        here = {"dp_rank": self.dp_rank, "dp_world_size": self.dp_world_size}
+        here.update({key: self.cfg[key] for key in BATCH_SHAPE_KEYS})
+        return all(state.get(key, value) == value for key, value in here.items())
+
+    def continue_from(self, states: list[dict]) -> str:
+        """Go on where the DP ranks of an earlier world stopped (``states``: every one of their ranks' states; the
+        CP ranks of one DP group hold equal ones), reading the windows of their epoch that none of them had started;
+        returns what it did, for the log. Also for the same number of ranks with another ``token_budget``,
+        ``micro_batch_size``, ``input_format`` or ``split_samples``: the old ranks' positions are replayed with
+        the batch shape they had.
+
+        Raises ``ValueError`` when ``states`` cannot describe that world (an older format, ranks missing or
+        disagreeing, other windows): the caller then starts the data afresh.
+        """
+        needed = ("dp_rank", "dp_world_size", "num_windows", *BATCH_SHAPE_KEYS)
+        if any(key not in s for s in states for key in needed):
+            raise ValueError("the checkpoint's data positions predate resuming on another number of ranks")
+        old_world = {int(s["dp_world_size"]) for s in states}
+        if len(old_world) != 1:
+            raise ValueError(f"its ranks disagree on the number of data-parallel ranks ({sorted(old_world)})")
+        (old_world,) = old_world
+        by_rank: dict[int, dict] = {}
+        for s in states:
+            if by_rank.setdefault(int(s["dp_rank"]), s) != s:
+                raise ValueError(f"the ranks of data-parallel rank {s['dp_rank']} stopped at different positions")
+        if sorted(by_rank) != list(range(old_world)):
+            raise ValueError(f"it holds the data positions of DP ranks {sorted(by_rank)} of {old_world}")
+        windows_now = {"num_windows": len(self.windows)} | {k: self.cfg[k] for k in WINDOW_KEYS}
+        for s in by_rank.values():
+            if any(s.get(key) != value for key, value in windows_now.items()):
+                raise ValueError(f"it was reading other windows (this run's: {windows_now})")
+        history = by_rank[0]["history"]
+        if any(s["history"] != history for s in by_rank.values()):
+            raise ValueError("its ranks disagree on the earlier worlds of the run")
+
+        positions = [self._position_of(by_rank[rank], history) for rank in range(old_world)]
+        self.history = [*history, {"dp_world_size": old_world, "positions": positions}]
+        self.batches_done = 0
+        epoch = self.order.first_epoch(self.history)
+        unread = len(self.order.unread(epoch, self.history))
+        return (
+            f"data: {old_world} DP ranks had started {len(self.windows) - unread} of epoch {epoch}'s "
+            f"{len(self.windows)} windows; the other {unread} are dealt out to {self.dp_world_size} DP rank(s) (the "
+            "unread tail of a window split over two batches is skipped)"
+        )
+
+    def _position_of(self, state: dict, history: list[dict]) -> list[int]:
+        """``[epoch, windows started in it]`` of the DP rank that saved ``state``: its batches replayed by index
+        arithmetic with the batch shape it had (no batch is built)."""
+        rank, world, batches = int(state["dp_rank"]), int(state["dp_world_size"]), int(state["batches_done"])
+        if state["input_format"] != "thd":
+            started = batches * int(state["micro_batch_size"])
+        else:
+            windows = self._window_stream(rank, world, history)
+            groups = pack_windows(windows, int(state["token_budget"]), bool(state["split_samples"]))
+            tokens = sum(len(piece) for pieces in islice(groups, batches) for piece in pieces)
+            # Packing emits the windows' tokens in stream order, so the windows started are those that begin
+            # before the tokens emitted ran out.
+            started, offset = 0, 0
+            for window in self._window_stream(rank, world, history):
+                if offset >= tokens:
+                    break
+                started, offset = started + 1, offset + len(window)
+        return self.order.position_after(rank, world, history, started)
 
 
 def validate_data_config(data_cfg: Any) -> dict:

@@ -148,6 +148,21 @@ def test_stop_and_go_matches_an_uninterrupted_run(tmp_path, script, nproc):
         torch.testing.assert_close(exported_weights(tmp_path / "resumed")[key], value, rtol=1e-6, atol=1e-7)
 
 
+def test_resume_on_one_rank_continues_a_two_rank_run(tmp_path):
+    """FSDP2, 40 steps on 2 processes, then the same command on 1 process: DCP re-shards model and optimizer, the data
+    goes on with the windows of the epoch that neither rank had started, and the run learns on to step 80. (That each
+    window is read once is tests/test_window_order.py's.)"""
+    overrides = ["logger.log_every=1", "export_final_model=false"]
+    train("train_fsdp2.py", tmp_path, "num_train_steps=40", *overrides, nproc=2)
+    result = run_script("train_fsdp2.py", f"output_dir={tmp_path}", *FAST, "num_train_steps=80", *overrides, nproc=1)
+    log = result.stdout + result.stderr
+    assert "was written by 2 ranks, this run has 1" in log
+    assert "2 DP ranks had started" in log and "dealt out to 1 DP rank(s)" in log
+    metrics = read_metrics(tmp_path)
+    assert [m["step"] for m in metrics] == list(range(1, 81))
+    assert metrics[-1]["loss"] < LOSS_THRESHOLD, metrics[-5:]
+
+
 def test_unknown_config_key_fails(tmp_path):
     result = run_script("train_ddp.py", f"output_dir={tmp_path}", "dataset.sequence_colum=x", expect_failure=True)
     assert "sequence_colum" in result.stderr
