@@ -18,8 +18,8 @@ Inside a checkpoint:
   ``StatefulDataLoader`` position and the RNG streams (masking, dropout and anything else that draws from them).
   A run resumed on another number of ranks restores everything but the RNG streams; a loader whose batch sampler can
   continue other ranks' positions (``EpochBatchSampler.continue_from``, or an iterable dataset with the same three
-  methods, as Llama's ``GenomicBatches``) gets all saved ranks' positions and goes on with the rows of the epoch that
-  none of them had read, any other loader starts its data afresh;
+  methods, as the Llama recipes' ``GenomicBatches`` and ``GenomicStream``) gets all saved ranks' positions and goes on
+  with the data of the epoch that none of them had read, any other loader starts its data afresh;
 - DDP: ``train_state.pt`` from rank 0 (model, optimizer, scheduler, step);
 - FSDP2 / Megatron-FSDP: a ``torch.distributed.checkpoint`` (DCP) directory of sharded model and optimizer states
   plus scheduler and step, each rank writing its own shards.
@@ -417,7 +417,7 @@ def _saved_world_size(path: Path) -> int | None:
 
 def _continuable_sampler(dataloader: Any) -> Any:
     """What orders the loader's data, if it can continue another world's positions, else None: its batch sampler
-    (``EpochBatchSampler``) or its iterable dataset (Llama's ``GenomicBatches``)."""
+    (``EpochBatchSampler``) or its iterable dataset (the Llama recipes' ``GenomicBatches``, ``GenomicStream``)."""
     needed = ("continue_from", "reads_like", "position_in")
     for source in (getattr(dataloader, "batch_sampler", None), getattr(dataloader, "dataset", None)):
         if all(hasattr(source, name) for name in needed):

@@ -38,6 +38,7 @@ import pyarrow.parquet as pq
 import torch
 from collator import LabelMaker, collate_bshd, collate_thd, pack_windows, pad_token_id
 from context_parallel import context_parallel_batch
+from data_resume import dataset_state_in, states_by_dp_rank
 from sequence_windows import window_starts
 from torchdata.stateful_dataloader import StatefulDataLoader
 from user_errors import ConfigError, PathNotFoundError
@@ -281,11 +282,8 @@ class GenomicBatches(torch.utils.data.IterableDataset):
 
     @staticmethod
     def position_in(loader_state: dict | None) -> dict | None:
-        """This dataset's state inside a ``StatefulDataLoader`` state (with no worker process or with one)."""
-        if not loader_state:
-            return None
-        workers = loader_state.get("_snapshot", {}).get("_worker_snapshots")
-        return workers["worker_0"].get("dataset_state") if workers else loader_state.get("dataset_state")
+        """This dataset's state inside a ``StatefulDataLoader`` state."""
+        return dataset_state_in(loader_state)
 
     def reads_like(self, state: dict) -> bool:
         """Whether ``state`` is this DP rank's own stream (same world, same batch shape) that ``batches_done`` alone
@@ -304,19 +302,8 @@ class GenomicBatches(torch.utils.data.IterableDataset):
         Raises ``ValueError`` when ``states`` cannot describe that world (an older format, ranks missing or
         disagreeing, other windows): the caller then starts the data afresh.
         """
-        needed = ("dp_rank", "dp_world_size", "num_windows", *BATCH_SHAPE_KEYS)
-        if any(key not in s for s in states for key in needed):
-            raise ValueError("the checkpoint's data positions predate resuming on another number of ranks")
-        old_world = {int(s["dp_world_size"]) for s in states}
-        if len(old_world) != 1:
-            raise ValueError(f"its ranks disagree on the number of data-parallel ranks ({sorted(old_world)})")
-        (old_world,) = old_world
-        by_rank: dict[int, dict] = {}
-        for s in states:
-            if by_rank.setdefault(int(s["dp_rank"]), s) != s:
-                raise ValueError(f"the ranks of data-parallel rank {s['dp_rank']} stopped at different positions")
-        if sorted(by_rank) != list(range(old_world)):
-            raise ValueError(f"it holds the data positions of DP ranks {sorted(by_rank)} of {old_world}")
+        needed = ("history", "num_windows", *WINDOW_KEYS, *BATCH_SHAPE_KEYS)
+        old_world, by_rank = states_by_dp_rank(states, needed)
         windows_now = {"num_windows": len(self.windows)} | {k: self.cfg[k] for k in WINDOW_KEYS}
         for s in by_rank.values():
             if any(s.get(key) != value for key, value in windows_now.items()):

@@ -17,6 +17,9 @@ never ends. Within a file the order is the file's own: shuffle globally with the
 Resume: the state is a cursor to the next unread token (epoch, file, record, window, offset into that window), so a
 resumed run re-opens one file, skips to the record (JSONL lines are skipped unparsed, Parquet row groups by their
 metadata) and continues at the same token, also in the middle of a window that packing split over two batches.
+A run resumed on another number of data-parallel ranks first reads what the old ranks had left of their passes
+(each from its cursor on), dealt out to the new ranks file by file, and then starts new passes
+(``GenomicStream.continue_from``, called by ``checkpoint.Checkpointer``).
 """
 
 import glob
@@ -36,6 +39,7 @@ import pyarrow.parquet as pq
 import torch
 from collator import LabelMaker, collate_bshd, collate_thd, pad_token_id
 from context_parallel import context_parallel_batch
+from data_resume import dataset_state_in, states_by_dp_rank
 from sequence_windows import sequence_windows
 from torchdata.stateful_dataloader import StatefulDataLoader
 from user_errors import ConfigError, PathNotFoundError
@@ -64,6 +68,8 @@ DEFAULTS = {
 # Written by reshard_to_parquet.py --chunk-length: whether a row begins / ends its original sequence, so that
 # <bos>/<eos> still mark only true sequence boundaries.
 START_COLUMN, END_COLUMN = "seq_start", "seq_end"
+# What a saved cursor means, beside the files and the seed: how records become windows and in what order files are read.
+WINDOW_KEYS = ("format", "sequence_column", "max_seq_length", "window_overlap", "shuffle_files")
 
 
 # ------------------------------------------------------------------------------------------------ reading files
@@ -203,7 +209,7 @@ def iter_records(
 @dataclass(frozen=True)
 class Cursor:
     """The next unread token: ``offset`` tokens into window ``window`` of record ``record`` (its index in the file)
-    of the ``file``-th file of this rank's order for ``epoch``."""
+    of the ``file``-th unit of this rank's order for ``epoch`` (see ``Unit``)."""
 
     epoch: int = 0
     file: int = 0
@@ -215,6 +221,27 @@ class Cursor:
         return (self.epoch, self.file, self.record, self.window)
 
 
+@dataclass(frozen=True)
+class Unit:
+    """One file's share of a rank's pass: the records ``index % keep_every == keep_from`` of file number ``file`` of
+    the dataset, from token ``offset`` of window ``window`` of record ``record`` on. A normal epoch's units are the
+    rank's files from their start; the leftover pass of a run resumed on another number of ranks starts some of them
+    where an old rank had stopped."""
+
+    file: int
+    keep_every: int = 1
+    keep_from: int = 0
+    record: int = 0
+    window: int = 0
+    offset: int = 0
+
+    def keeps(self, index: int) -> bool:
+        return index % self.keep_every == self.keep_from
+
+    def start(self) -> tuple[int, int, int]:
+        return (self.record, self.window, self.offset)
+
+
 class GenomicStream(torch.utils.data.IterableDataset):
     """Batches for one data-parallel rank: endless and resumable for training, or one ordered pass (validation)."""
 
@@ -223,6 +250,7 @@ class GenomicStream(torch.utils.data.IterableDataset):
     ):
         self.cfg, self.seed, self.endless, self.cp_size = cfg, seed, endless, cp_size
         self.dp_rank, self.dp_world_size = dp_rank, dp_world_size
+        self.all_files = list(files)
         self.by_file = len(files) >= dp_world_size
         self.files = list(files[dp_rank::dp_world_size]) if self.by_file else list(files)
         self.tokenizer = tokenizer
@@ -230,15 +258,26 @@ class GenomicStream(torch.utils.data.IterableDataset):
         self.labels = LabelMaker(tokenizer, cfg["uppercase_labels"], cfg["mask_degenerate_bases"])
         self.pad_token_id = pad_token_id(tokenizer)
         self.cursor, self.batches = Cursor(), 0
+        # After a resume on another number of ranks (``continue_from``): what the old ranks had left of their passes,
+        # dealt out to this world's ranks as their pass ``first_epoch - 1``; their own epochs start at ``first_epoch``.
+        self.leftover: list[Unit] = []
+        self.first_epoch = 0
 
-    def _keep(self, index: int) -> bool:
-        return self.by_file or index % self.dp_world_size == self.dp_rank
+    def _units(self, epoch: int, dp_rank: int, dp_world_size: int, leftover: list[Unit], first_epoch: int):
+        """The units DP rank ``dp_rank`` of a world of ``dp_world_size`` (with that leftover) reads in ``epoch``."""
+        if epoch < first_epoch:
+            return leftover[dp_rank::dp_world_size]
+        if len(self.all_files) >= dp_world_size:  # whole files per rank, in a new seeded order every epoch
+            files = list(range(dp_rank, len(self.all_files), dp_world_size))
+            keep_every, keep_from = 1, 0
+        else:  # every rank reads every file and keeps its every n-th record
+            files, keep_every, keep_from = list(range(len(self.all_files))), dp_world_size, dp_rank
+        if self.endless and self.cfg["shuffle_files"]:
+            files = [files[i] for i in np.random.default_rng([self.seed, epoch, dp_rank]).permutation(len(files))]
+        return [Unit(file, keep_every, keep_from) for file in files]
 
-    def _file_order(self, epoch: int) -> list[Path]:
-        if not (self.endless and self.cfg["shuffle_files"]):
-            return self.files
-        order = np.random.default_rng([self.seed, epoch, self.dp_rank]).permutation(len(self.files))
-        return [self.files[i] for i in order]
+    def _my_units(self, epoch: int) -> list[Unit]:
+        return self._units(epoch, self.dp_rank, self.dp_world_size, self.leftover, self.first_epoch)
 
     def _windows_of(self, record: Record) -> list[np.ndarray]:
         ids = self.tokenizer(record.text, add_special_tokens=False)["input_ids"]
@@ -255,26 +294,28 @@ class GenomicStream(torch.utils.data.IterableDataset):
         epoch = start.epoch
         while True:
             found = False
-            for file_pos, file in enumerate(self._file_order(epoch)):
+            for file_pos, unit in enumerate(self._my_units(epoch)):
                 if (epoch, file_pos) < (start.epoch, start.file):
                     continue
-                skip = start.record if (epoch, file_pos) == (start.epoch, start.file) else 0
+                begin = unit.start()
+                if (epoch, file_pos) == (start.epoch, start.file):
+                    begin = max(begin, (start.record, start.window, start.offset))
                 for index, record in iter_records(
-                    file, self.cfg["format"], self.cfg["sequence_column"], skip, self._keep
+                    self.all_files[unit.file], self.cfg["format"], self.cfg["sequence_column"], begin[0], unit.keeps
                 ):
                     if not record.text:
                         continue
                     found = True
                     for number, window in enumerate(self._windows_of(record)):
-                        here = Cursor(epoch, file_pos, index, number)
-                        if here.key() < start.key():
+                        if (index, number) < begin[:2]:
                             continue
-                        offset = start.offset if here.key() == start.key() else 0
+                        offset = begin[2] if (index, number) == begin[:2] else 0
                         if offset < len(window):
-                            yield replace(here, offset=offset), window[offset:]
+                            yield Cursor(epoch, file_pos, index, number, offset), window[offset:]
             if not self.endless:
                 return
-            whole_epoch = epoch > start.epoch or start == Cursor(epoch=epoch)  # not resumed part-way through it
+            # Not resumed part-way through it, and not a leftover pass (which may hold nothing for this rank).
+            whole_epoch = (epoch > start.epoch or start == Cursor(epoch=epoch)) and epoch >= self.first_epoch
             if whole_epoch and not found and self.dp_world_size == 1:
                 names = ", ".join(str(file) for file in self.files[:3]) + (", ..." if len(self.files) > 3 else "")
                 raise ConfigError(f"{names}: no sequences (empty files?); point dataset.path at files with sequences")
@@ -331,8 +372,21 @@ class GenomicStream(torch.utils.data.IterableDataset):
                 self.cursor, self.batches = cursor or self.cursor, self.batches + 1
                 yield collate_bshd(group, self.labels, self.pad_token_id)
 
+    # ---- resume: the same world restores the cursor; another world finishes the old ranks' passes (continue_from)
+
     def state_dict(self) -> dict[str, Any]:
-        return {"cursor": asdict(self.cursor), "batches": self.batches, "num_files": len(self.files)}
+        return {
+            "cursor": asdict(self.cursor),
+            "batches": self.batches,
+            "num_files": len(self.files),
+            "dp_rank": self.dp_rank,
+            "dp_world_size": self.dp_world_size,
+            "leftover": [asdict(unit) for unit in self.leftover],
+            "first_epoch": self.first_epoch,
+            # What it takes to read another rank's stream: which files, and how records become windows.
+            "num_files_total": len(self.all_files),
+            **{key: self.cfg[key] for key in WINDOW_KEYS},
+        }
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         if state["num_files"] != len(self.files):
@@ -341,6 +395,57 @@ class GenomicStream(torch.utils.data.IterableDataset):
                 f"{len(self.files)}: the cursor would point elsewhere. Keep dataset.path unchanged to resume"
             )
         self.cursor, self.batches = Cursor(**state["cursor"]), int(state["batches"])
+        self.leftover = [Unit(**unit) for unit in state.get("leftover", [])]
+        self.first_epoch = int(state.get("first_epoch", 0))
+
+    @staticmethod
+    def position_in(loader_state: dict | None) -> dict | None:
+        """This dataset's state inside a ``StatefulDataLoader`` state."""
+        return dataset_state_in(loader_state)
+
+    def reads_like(self, state: dict) -> bool:
+        """Whether ``state`` is this DP rank's own stream, which its cursor alone restores (states older than these
+        keys are taken to be). The batch shape may change: the cursor points at a token, not a batch."""
+        here = {"dp_rank": self.dp_rank, "dp_world_size": self.dp_world_size}
+        return all(state.get(key, value) == value for key, value in here.items())
+
+    def continue_from(self, states: list[dict]) -> str:
+        """Go on where the DP ranks of an earlier world stopped (``states``: every one of their ranks' states; the
+        CP ranks of one DP group hold equal ones); returns what it did, for the log.
+
+        What each old rank had left of its current pass (the rest of the file it was in, from its cursor's token on,
+        and the files after it) becomes this world's leftover pass, dealt out unit by unit to the new ranks; then
+        every new rank starts its own passes over its share of the files, at an epoch after all of the old ones.
+        No token is read twice in a pass, and none is skipped.
+
+        Raises ``ValueError`` when ``states`` cannot describe that world (an older format, ranks missing or
+        disagreeing, other files or windows): the caller then starts the data afresh.
+        """
+        needed = ("cursor", "leftover", "first_epoch", "num_files_total", *WINDOW_KEYS)
+        old_world, by_rank = states_by_dp_rank(states, needed)
+        reading_now = {"num_files_total": len(self.all_files)} | {key: self.cfg[key] for key in WINDOW_KEYS}
+        if any(s[key] != value for s in by_rank.values() for key, value in reading_now.items()):
+            raise ValueError(f"it was reading other files or windows (this run's: {reading_now})")
+        if any((s["leftover"], s["first_epoch"]) != (states[0]["leftover"], states[0]["first_epoch"]) for s in states):
+            raise ValueError("its ranks disagree on the earlier worlds of the run")
+
+        old_leftover, old_first = [Unit(**unit) for unit in states[0]["leftover"]], int(states[0]["first_epoch"])
+        leftover, begun = [], 0
+        for rank in range(old_world):
+            cursor = Cursor(**by_rank[rank]["cursor"])
+            units = self._units(cursor.epoch, rank, old_world, old_leftover, old_first)[cursor.file :]
+            if units:
+                at = max(units[0].start(), (cursor.record, cursor.window, cursor.offset))
+                begun += at != (0, 0, 0)
+                leftover += [replace(units[0], record=at[0], window=at[1], offset=at[2]), *units[1:]]
+        self.leftover = leftover
+        self.first_epoch = max(Cursor(**s["cursor"]).epoch for s in states) + 1
+        self.cursor, self.batches = Cursor(epoch=self.first_epoch - 1), 0
+        return (
+            f"data: {old_world} DP ranks had {len(leftover)} file(s) of their current passes left ({begun} begun); "
+            f"they are dealt out to {self.dp_world_size} DP rank(s), whose own passes over their files follow "
+            f"(epoch {self.first_epoch} on)"
+        )
 
 
 # ------------------------------------------------------------------------------------------------ entry points

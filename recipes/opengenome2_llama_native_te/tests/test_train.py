@@ -15,7 +15,7 @@ import pytest
 import torch
 from launch import RECIPE_DIR, run_script
 from safetensors.torch import load_file
-from training import LOSS_THRESHOLD, read_jsonl, train
+from training import FAST, LOSS_THRESHOLD, read_jsonl, train
 from transformers import AutoConfig, AutoModelForCausalLM
 
 
@@ -80,6 +80,21 @@ def test_stop_and_go_matches_an_uninterrupted_run(tmp_path):
     resumed_weights = exported_weights(tmp_path / "resumed")
     for key, value in exported_weights(tmp_path / "straight").items():
         assert torch.equal(resumed_weights[key], value), key
+
+
+def test_resume_on_one_rank_continues_a_two_rank_run(tmp_path):
+    """30 steps on 2 processes, then the same command on 1 process: DCP re-shards model and optimizer, the one rank
+    first finishes what each old rank had left of its file, from its cursor, then starts its own passes, and the run
+    learns on to step 60. (That each token is read once is tests/test_stream_continuation.py's.)"""
+    common = ["logger.log_every=1", "validation.every_n_steps=60", "export_final_model=false"]
+    train(tmp_path, "num_train_steps=30", *common, nproc=2)
+    result = run_script("train_fsdp2.py", f"output_dir={tmp_path}", *FAST, "num_train_steps=60", *common, nproc=1)
+    log = result.stdout + result.stderr
+    assert "was written by 2 ranks, this run has 1" in log
+    assert "data: 2 DP ranks had 2 file(s) of their current passes left (2 begun)" in log
+    metrics = read_jsonl(tmp_path / "metrics.jsonl")
+    assert [m["step"] for m in metrics] == list(range(1, 61))
+    assert metrics[-1]["loss"] < LOSS_THRESHOLD, metrics[-5:]
 
 
 def test_trains_on_globally_shuffled_parquet_shards(tmp_path):
