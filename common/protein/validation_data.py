@@ -17,6 +17,7 @@ from dataset import (
     TokenizedRows,
     load_sequences,
     local_rank_zero_first,
+    residue_token_ids,
     resolve_data_config,
     tokenize_dataset,
 )
@@ -55,7 +56,9 @@ def held_out_batches(
     batching = {"token_budget": cfg["token_budget"]} if thd else {"micro_batch_size": cfg["micro_batch_size"]}
     groups = batches_in_order(usable[dp_rank::dp_world_size], lengths, **batching)
     rows = TokenizedRows(ds)
-    masker = MLMMasker.from_tokenizer(tokenizer, seed=seed, mlm_probability=cfg["mlm_probability"])
+    masker = MLMMasker.from_tokenizer(
+        tokenizer, seed=seed, mlm_probability=cfg["mlm_probability"], random_token_ids=residue_token_ids(tokenizer)
+    )
     collator_cls = THDCollator if thd else BSHDCollator
     collate = collator_cls(masker, tokenizer.pad_token_id, cfg["pad_to_multiple_of"], cp_size)
 

@@ -38,16 +38,17 @@ import torch
 
 
 IGNORE_INDEX = -100
-# The default random replacements are the protein vocabularies' real residues L..O (ids 4..28): never a special
-# token, '.', '-', <null_1> or <mask>. Other vocabularies pass their own ``random_token_ids`` (Geneformer: every
-# gene id, none of <pad>/<mask>).
-RANDOM_TOKEN_IDS = (4, 29)  # half-open range
 
 
 class MLMMasker:
     """BERT-style masking: select ``mlm_probability`` of the tokens; of those 80% -> <mask>, 10% -> a random token id
     from ``random_token_ids`` (half-open range), 10% unchanged. Special tokens (<cls>/<bos>, <eos>, <pad>, <unk>,
-    <mask>) are never selected."""
+    <mask>) are never selected.
+
+    ``random_token_ids`` is the vocabulary's range of real tokens, never a special one: each vocabulary says its own
+    (the protein tokenizers' one-letter residues, ``protein/dataset.residue_token_ids``: ESM-2 4..28, AMPLIFY 6..26;
+    Geneformer: every gene id; CodonFM: every codon id). There is no default, because one vocabulary's range holds
+    another's special tokens or ids it does not have."""
 
     def __init__(
         self,
@@ -55,7 +56,8 @@ class MLMMasker:
         special_token_ids,
         seed: int,
         mlm_probability: float = 0.15,
-        random_token_ids: tuple[int, int] = RANDOM_TOKEN_IDS,
+        *,
+        random_token_ids: tuple[int, int],
     ):
         if not 0.0 <= mlm_probability <= 1.0:
             raise ValueError(f"mlm_probability must be in [0, 1], got {mlm_probability}")
@@ -63,7 +65,13 @@ class MLMMasker:
         self.special_token_ids = np.array(sorted({int(i) for i in special_token_ids}), dtype=np.int64)
         self.seed = int(seed)
         self.mlm_probability = float(mlm_probability)
-        self.random_token_ids = random_token_ids
+        low, high = (int(i) for i in random_token_ids)
+        if not 0 <= low < high or ((self.special_token_ids >= low) & (self.special_token_ids < high)).any():
+            raise ValueError(
+                f"random_token_ids {tuple(random_token_ids)} must be a non-empty id range without special tokens "
+                f"(special ids: {self.special_token_ids.tolist()})"
+            )
+        self.random_token_ids = (low, high)
 
     @classmethod
     def from_tokenizer(
@@ -71,9 +79,20 @@ class MLMMasker:
         tokenizer,
         seed: int,
         mlm_probability: float = 0.15,
-        random_token_ids: tuple[int, int] = RANDOM_TOKEN_IDS,
+        *,
+        random_token_ids: tuple[int, int],
     ) -> "MLMMasker":
-        return cls(tokenizer.mask_token_id, tokenizer.all_special_ids, seed, mlm_probability, random_token_ids)
+        if random_token_ids[1] > len(tokenizer):
+            raise ValueError(
+                f"random_token_ids {tuple(random_token_ids)} reach past the {len(tokenizer)}-token vocabulary"
+            )
+        return cls(
+            tokenizer.mask_token_id,
+            tokenizer.all_special_ids,
+            seed,
+            mlm_probability,
+            random_token_ids=random_token_ids,
+        )
 
     def _rng(self, epoch: int, sample_index: int) -> np.random.Generator:
         # SeedSequence mixes the three integers, so neighbouring samples get unrelated streams.

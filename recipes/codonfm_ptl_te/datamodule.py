@@ -220,7 +220,9 @@ class PredictCollator:
 def codon_masker(seed: int, mlm_probability: float) -> MLMMasker:
     """Special tokens (<CLS> <SEP> <UNK> <PAD> <MASK>, ids 0..4) are never selected; random replacements are codons
     (ids 5..68)."""
-    return MLMMasker(MASK_ID, range(FIRST_CODON_ID), seed, mlm_probability, (FIRST_CODON_ID, VOCAB_SIZE))
+    return MLMMasker(
+        MASK_ID, range(FIRST_CODON_ID), seed, mlm_probability, random_token_ids=(FIRST_CODON_ID, VOCAB_SIZE)
+    )
 
 
 # ------------------------------------------------------------------------------------------------- the module

@@ -207,6 +207,21 @@ KEPT, SKIP_EMPTY, SKIP_INVALID, SKIP_LONG = 0, 1, 2, 3
 SKIP_NAMES = {SKIP_EMPTY: "empty", SKIP_INVALID: "invalid residues", SKIP_LONG: "too long"}
 
 
+def residue_token_ids(tokenizer) -> tuple[int, int]:
+    """The half-open id range of the tokenizer's residues (its one-letter upper-case tokens), which masking draws its
+    random replacements from: ESM-2's L..O are ids 4..28, AMPLIFY's L..B ids 6..26. Never a special token, '.', '-',
+    '|' or an id past the vocabulary."""
+    ids = sorted(
+        i for token, i in tokenizer.get_vocab().items() if len(token) == 1 and token.isalpha() and token.isupper()
+    )
+    if not ids or ids != list(range(ids[0], ids[-1] + 1)):
+        raise ConfigError(
+            f"the tokenizer's one-letter residues are not one run of ids ({ids}); a protein tokenizer lists them "
+            "together (ESM-2: 4..28, AMPLIFY: 6..26)"
+        )
+    return ids[0], ids[-1] + 1
+
+
 @dataclass(frozen=True)
 class SequencePolicy:
     alphabet: str
@@ -477,7 +492,9 @@ def create_dataloader(
 
     policy_keys = ("max_seq_length", "invalid_residue_policy", "long_sequence_policy")
     policy = SequencePolicy.from_tokenizer(tokenizer, **{key: cfg[key] for key in policy_keys})
-    masker = MLMMasker.from_tokenizer(tokenizer, seed=seed, mlm_probability=cfg["mlm_probability"])
+    masker = MLMMasker.from_tokenizer(
+        tokenizer, seed=seed, mlm_probability=cfg["mlm_probability"], random_token_ids=residue_token_ids(tokenizer)
+    )
     collator_cls = THDCollator if thd else BSHDCollator
     collate = collator_cls(masker, tokenizer.pad_token_id, cfg["pad_to_multiple_of"], cp_size)
 

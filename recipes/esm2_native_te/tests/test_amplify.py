@@ -10,7 +10,7 @@ import json
 import pytest
 import torch
 from convert_amplify import convert_amplify_te_to_hf
-from dataset import KEPT, SKIP_INVALID, SequencePolicy
+from dataset import KEPT, SKIP_INVALID, SequencePolicy, create_dataloader
 from launch import RECIPE_DIR, assert_user_error, run_script
 from model_families import Amplify, Esm2, family_of
 from modeling_amplify_te import NVAmplifyConfig, NVAmplifyForMaskedLM
@@ -32,6 +32,7 @@ from test_train import (
 )
 from transformers import AutoTokenizer, EsmConfig
 from user_errors import ConfigError
+from validation_data import held_out_batches
 
 
 AMPLIFY = "model_tag=model_configs/AMPLIFY_120M"
@@ -219,6 +220,26 @@ def test_residues_outside_the_amplify_vocabulary_follow_the_policy():
     text, code, replaced, _ = clean("replace_unk")
     assert (code, replaced) == (KEPT, 1)
     assert tokenizer(text)["input_ids"] == tokenizer.convert_tokens_to_ids(["<bos>", "M", "K", "<unk>", "V", "<eos>"])
+
+
+@pytest.mark.parametrize("build", ["training", "held_out"])
+def test_masking_replaces_residues_only_with_amplify_residues(tmp_path, build):
+    """The training and held-out loaders mask AMPLIFY's sequences with its own residues (ids 6..26) as the random
+    replacements, never its <eos> (4), '|' (5) or ids past its 27 tokens (ESM-2's range 4..28 gave all three)."""
+    tokenizer = amplify_tokenizer()
+    data = {"path": str(RECIPE_DIR / "data" / "sanity_proteins.parquet"), "max_seq_length": 128, "num_workers": 0}
+    data.update(mlm_probability=0.5, cache_dir=str(tmp_path / "cache"))
+    if build == "training":
+        loader = iter(create_dataloader(data, tokenizer, dp_rank=0, dp_world_size=1, seed=3))
+        batches = [next(loader) for _ in range(10)]
+    else:
+        batches = list(held_out_batches(data["path"], data, tokenizer, seed=3).read())
+    replaced = set()
+    for batch in batches:
+        labelled = batch["labels"] != -100
+        changed = labelled & (batch["input_ids"] != tokenizer.mask_token_id) & (batch["input_ids"] != batch["labels"])
+        replaced |= set(batch["input_ids"][changed].tolist())
+    assert len(replaced) > 10 and replaced <= set(range(6, 27)), sorted(replaced)
 
 
 def test_fp8_with_an_ffn_width_fp8_cannot_run_fails_before_training(tmp_path):

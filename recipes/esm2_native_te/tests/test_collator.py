@@ -8,6 +8,7 @@ import pytest
 import torch
 from collator import IGNORE_INDEX, BSHDCollator, MLMMasker, THDCollator
 from context_parallel import shard_for_context_parallel, unshard_context_parallel
+from dataset import residue_token_ids
 from grad_accumulation import count_targets
 from transformers import AutoTokenizer
 
@@ -20,8 +21,11 @@ def tokenizer():
     return AutoTokenizer.from_pretrained(Path(__file__).resolve().parents[1] / "tokenizer")
 
 
+RESIDUES = (4, 29)  # ESM-2's one-letter residues L..O, the random replacements
+
+
 def make_masker(seed=0, p=0.15):
-    return MLMMasker(MASK, [CLS, PAD, EOS, UNK, MASK], seed=seed, mlm_probability=p)
+    return MLMMasker(MASK, [CLS, PAD, EOS, UNK, MASK], seed=seed, mlm_probability=p, random_token_ids=RESIDUES)
 
 
 def sample(residues, index, epoch=0):
@@ -34,9 +38,37 @@ def original(input_ids, labels):
 
 
 def test_masker_uses_tokenizer_special_ids(tokenizer):
-    masker = MLMMasker.from_tokenizer(tokenizer, seed=0)
+    masker = MLMMasker.from_tokenizer(tokenizer, seed=0, random_token_ids=residue_token_ids(tokenizer))
     assert masker.mask_token_id == MASK
     assert masker.special_token_ids.tolist() == [CLS, PAD, EOS, UNK, MASK]
+    assert masker.random_token_ids == RESIDUES
+
+
+def test_random_replacements_are_the_tokenizers_own_residues(tokenizer):
+    """AMPLIFY's vocabulary puts <eos> and '|' at ids 4 and 5, its residues at 6..26 and has no id 27 or 28: ESM-2's
+    range 4..28 would replace residues with those (and did, until 2026-12-05). Each tokenizer gives its own range."""
+    amplify = AutoTokenizer.from_pretrained(Path(__file__).resolve().parents[1] / "tokenizer_amplify")
+    assert residue_token_ids(amplify) == (6, 27)
+    residues = {token for token in amplify.get_vocab() if len(token) == 1 and token.isalpha()}
+    assert {amplify.convert_ids_to_tokens(i) for i in range(6, 27)} == residues
+    masker = MLMMasker.from_tokenizer(
+        amplify, seed=0, mlm_probability=1.0, random_token_ids=residue_token_ids(amplify)
+    )
+    sequence = np.array([amplify.bos_token_id, *amplify.convert_tokens_to_ids(list("MKTAYIAKQRQISFVKSHFSRQ")), 4])
+    replaced = set()
+    for index in range(300):
+        masked, labels = masker(sequence, epoch=0, sample_index=index)
+        replaced |= set(masked[(labels != IGNORE_INDEX) & (masked != amplify.mask_token_id)].tolist())
+    assert replaced and replaced <= set(range(6, 27)), sorted(replaced)
+
+
+def test_a_random_range_with_special_tokens_or_past_the_vocabulary_is_refused(tokenizer):
+    with pytest.raises(ValueError, match="without special tokens"):
+        MLMMasker(MASK, [CLS, PAD, EOS, UNK, MASK], seed=0, random_token_ids=(2, 29))
+    with pytest.raises(ValueError, match="past the 33-token vocabulary"):
+        MLMMasker.from_tokenizer(tokenizer, seed=0, random_token_ids=(4, 40))
+    with pytest.raises(TypeError, match="random_token_ids"):  # no default: one vocabulary's range is not another's
+        MLMMasker.from_tokenizer(tokenizer, seed=0)
 
 
 def test_masking_statistics():

@@ -72,10 +72,12 @@ def validator(path, tokenizer, output_dir, input_format="thd", dp_rank=0, dp_wor
 
 def hand_computed_loss(model, tokenizer, path) -> tuple[float, int]:
     """Each usable row alone ([1, L], no padding), masked from (SEED, epoch 0, row), scored by a hand log-softmax."""
-    from dataset import SequencePolicy
+    from dataset import SequencePolicy, residue_token_ids
 
     policy = SequencePolicy.from_tokenizer(tokenizer, max_seq_length=DATA_CFG["max_seq_length"])
-    masker = MLMMasker.from_tokenizer(tokenizer, seed=SEED, mlm_probability=0.15)
+    masker = MLMMasker.from_tokenizer(
+        tokenizer, seed=SEED, mlm_probability=0.15, random_token_ids=residue_token_ids(tokenizer)
+    )
     nll, count = 0.0, 0
     for row, raw in enumerate(pq.read_table(path).column("sequence").to_pylist()):
         text, skip, _, _ = policy.clean(raw, (SEED, row), "test")

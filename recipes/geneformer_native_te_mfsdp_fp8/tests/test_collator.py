@@ -4,7 +4,7 @@
 import numpy as np
 import pytest
 import torch
-from collator import IGNORE_INDEX, RANDOM_TOKEN_IDS, BSHDCollator, MLMMasker, THDCollator
+from collator import IGNORE_INDEX, BSHDCollator, MLMMasker, THDCollator
 from dataset import gene_token_ids
 
 
@@ -24,8 +24,9 @@ def test_from_tokenizer_takes_the_special_ids_and_the_gene_range(tokenizer):
     masker = MLMMasker.from_tokenizer(tokenizer, seed=0, random_token_ids=gene_token_ids(tokenizer))
     assert masker.mask_token_id == MASK and masker.special_token_ids.tolist() == [PAD, MASK]
     assert masker.random_token_ids == GENES
-    # Without random_token_ids, the protein default (residues L..O, ids 4..28) is kept.
-    assert MLMMasker.from_tokenizer(tokenizer, seed=0).random_token_ids == RANDOM_TOKEN_IDS == (4, 29)
+    # There is no default range: a protein range would hold <pad>, <mask> and gene ids alike.
+    with pytest.raises(TypeError, match="random_token_ids"):
+        MLMMasker.from_tokenizer(tokenizer, seed=0)
 
 
 def test_bert_80_10_10_split_over_many_cells():
