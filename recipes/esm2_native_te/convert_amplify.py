@@ -63,6 +63,7 @@ _PUBLISHED_BOOKKEEPING_KEYS = (
 )
 # What convert_amplify_te_to_hf writes besides the model's settings, as the published config.json has it.
 _PUBLISHED_IDENTITY = {"model_type": "AMPLIFY", "architectures": ["AMPLIFY"]}
+PUBLISHED_ROPE_THETA = 10000.0  # the published code's fixed rotary base (its config has no such field)
 
 
 # ------------------------------------------------------------------------------------- rotary channel permutation
@@ -186,6 +187,12 @@ def convert_amplify_hf_to_te(
 def convert_amplify_te_to_hf(model: NVAmplifyForMaskedLM) -> tuple[dict[str, torch.Tensor], dict]:
     """The published layout of ``model``: (state dict, config.json fields). The inverse of the conversion above."""
     config = model.config
+    if config.rope_theta != PUBLISHED_ROPE_THETA:
+        # The published code has no such setting: its rotary base is fixed, so the checkpoint would compute otherwise.
+        raise ValueError(
+            f"this model uses rope_theta={config.rope_theta}; the published AMPLIFY layout fixes the rotary base at "
+            f"{PUBLISHED_ROPE_THETA:g}, so it cannot hold this model"
+        )
     nv_state = {k: v for k, v in model.state_dict().items() if not k.endswith("_extra_state")}
     vocab, heads = config.vocab_size, config.num_attention_heads
     state = {

@@ -113,3 +113,12 @@ def test_export_of_a_bf16_request_holds_bf16_weights(tmp_path):
     weights = load_file(tmp_path / "te" / "model.safetensors")
     assert {v.dtype for v in weights.values()} == {torch.bfloat16}
     assert json.loads((tmp_path / "te" / "config.json").read_text())["model_type"] == "esm"
+
+
+def test_a_rotary_base_the_published_layout_cannot_hold_is_refused(reference_tiny):
+    """The published code fixes the rotary base at 1e4 and its config has no such field: a model with another
+    rope_theta would compute otherwise there, so it is not written in that layout."""
+    state, config = published(reference_tiny)
+    nv_model = convert_amplify_hf_to_te(state, config, backend="torch", rope_theta=500_000.0)
+    with pytest.raises(ValueError, match="rope_theta=500000.0"):
+        convert_amplify_te_to_hf(nv_model)

@@ -68,6 +68,13 @@ def hf_config_from_nv(nv_config: NVEsmConfig) -> EsmConfig:
 
 def convert_esm_hf_to_te(hf_model: EsmForMaskedLM, **config_overrides) -> NVEsmForMaskedLM:
     """Build an ``NVEsmForMaskedLM`` holding ``hf_model``'s weights; ``config_overrides`` set e.g. ``backend``."""
+    if not hf_model.config.tie_word_embeddings:
+        # NVEsm's LM head decodes with the word embeddings (as every published ESM-2 does): an untied decoder's own
+        # weights would be dropped without a word.
+        raise ValueError(
+            "this ESM checkpoint has tie_word_embeddings=false (its own lm_head.decoder weights); NVEsm ties the "
+            "decoder to the word embeddings, so it cannot hold them"
+        )
     config = nv_config_from_hf(hf_model.config, **config_overrides)
     hf_state = hf_model.state_dict()
     num_heads = config.num_attention_heads

@@ -10,7 +10,7 @@ import torch
 from geneformer_testing import MODEL_CONFIGS, TINY_SHAPE, stock_model
 from transformers import BertConfig, BertForMaskedLM
 
-from geneformer_te.convert import convert_geneformer_hf_to_te
+from geneformer_te.convert import convert_geneformer_hf_to_te, convert_geneformer_te_to_hf
 from geneformer_te.modeling_geneformer_te import NVGeneformerConfig, NVGeneformerForMaskedLM
 
 
@@ -36,6 +36,13 @@ def test_every_problem_is_named_at_once():
 def test_untied_decoder_is_refused():
     with pytest.raises(ValueError, match="tie_word_embeddings=False"):
         convert_geneformer_hf_to_te(stock_model(tie_word_embeddings=False), backend="torch")
+
+
+def test_the_stock_config_comes_back_without_nv_only_fields():
+    """BERT -> NV -> BERT: not one config field more or less (no recompute switch in the stock config)."""
+    stock = stock_model()
+    nv_model = convert_geneformer_hf_to_te(stock, backend="torch", recompute_layers=1)
+    assert convert_geneformer_te_to_hf(nv_model).config.to_diff_dict() == stock.config.to_diff_dict()
 
 
 def test_a_checkpoint_with_more_layers_than_its_config_is_named():

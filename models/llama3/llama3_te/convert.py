@@ -6,6 +6,7 @@ group's query heads, then its key head, then its value head), fuses the SwiGLU g
 vocabulary (embedding and LM-head rows) is padded to ``padded_vocab_size``. Everything else maps one to one.
 """
 
+import copy
 import re
 
 import torch
@@ -74,6 +75,8 @@ def convert_llama_hf_to_te(hf_model: LlamaForCausalLM, **config_overrides) -> NV
     load_state_dict_exactly(nv_model, state, "Hugging Face Llama weights")
     if config.tie_word_embeddings:
         nv_model.tie_weights()
+    # The checkpoint's generation settings (several <eos> ids, sampling defaults), not ones derived from the config.
+    nv_model.generation_config = copy.deepcopy(hf_model.generation_config)
     return nv_model.to(dtype=next(hf_model.parameters()).dtype)
 
 
@@ -113,4 +116,5 @@ def convert_llama_te_to_hf(nv_model: NVLlamaForCausalLM) -> LlamaForCausalLM:
     load_state_dict_exactly(hf_model, state, "NVLlama weights")
     if config.tie_word_embeddings:
         hf_model.tie_weights()
+    hf_model.generation_config = copy.deepcopy(nv_model.generation_config)
     return hf_model.to(dtype=next(nv_model.parameters()).dtype)

@@ -13,8 +13,21 @@
 import torch
 
 
-# Config fields only the TE models have (or that name the class), left out when translating to the stock config.
-NV_ONLY_CONFIG_KEYS = ("backend", "padded_vocab_size", "layer_precision", "auto_map", "architectures", "model_type")
+# Config fields only the TE models have (or that name the class), left out when translating to the stock config:
+# the backend, vocabulary padding and FP8 plan, the fused-kernel and recompute switches, Llama's init switches.
+NV_ONLY_CONFIG_KEYS = (
+    "backend",
+    "padded_vocab_size",
+    "layer_precision",
+    "auto_map",
+    "architectures",
+    "model_type",
+    "recompute_layers",
+    "fused_qkv_rope",
+    "fused_residual_norm",
+    "embedding_init_std",
+    "scale_output_projection_init",
+)
 
 
 def interleave_qkv(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, num_groups: int) -> torch.Tensor:

@@ -1,10 +1,12 @@
-"""Llama's fused QKV layout, and conversion errors that name the weights at fault. The round trip and the export are
-in the model contract (test_model_contract.py)."""
+"""Llama's fused QKV layout, conversion errors that name the weights at fault, and what the conversion keeps besides
+the weights. The round trip of the weights and the export are in the model contract (test_model_contract.py)."""
 
 import pytest
 import torch
+from transformers import GenerationConfig
 
 from llama3_te.convert import convert_llama_hf_to_te, convert_llama_te_to_hf
+from llama3_te.export import save_nv_checkpoint
 from llama3_te.weight_conversion import interleave_qkv, load_state_dict_exactly
 
 
@@ -32,3 +34,19 @@ def test_loading_names_missing_and_unexpected_keys(hf_tiny):
     state["lm_head.extra"] = torch.zeros(1)
     with pytest.raises(ValueError, match=r"missing keys \(1\): \['model.norm.weight'\].*unexpected keys \(1\)"):
         load_state_dict_exactly(nv_model, state, "a test checkpoint")
+
+
+def test_generation_settings_and_the_stock_config_survive_conversion_and_export(hf_tiny, tmp_path):
+    """A checkpoint's generation_config (two <eos> ids, as Llama-3-Instruct's, sampling defaults) is not one derived
+    from the model config: it goes through HF -> NV -> HF and into the export; and the stock config comes back
+    without the NV-only fields (recompute, fused-kernel and init switches)."""
+    settings = {"eos_token_id": [2, 7], "do_sample": True, "temperature": 0.6, "top_p": 0.9, "max_new_tokens": 17}
+    for key, value in settings.items():
+        setattr(hf_tiny.generation_config, key, value)
+    nv_model = convert_llama_hf_to_te(hf_tiny, backend="torch")
+    back = convert_llama_te_to_hf(nv_model)
+    save_nv_checkpoint(nv_model, tmp_path / "export")
+    exported = GenerationConfig.from_pretrained(tmp_path / "export")
+    for generation_config in (nv_model.generation_config, back.generation_config, exported):
+        assert {key: getattr(generation_config, key) for key in settings} == settings
+    assert back.config.to_diff_dict() == hf_tiny.config.to_diff_dict()
