@@ -286,10 +286,12 @@ class GenomicBatches(torch.utils.data.IterableDataset):
         return dataset_state_in(loader_state)
 
     def reads_like(self, state: dict) -> bool:
-        """Whether ``state`` is this DP rank's own stream (same world, same batch shape) that ``batches_done`` alone
-        restores; states older than these keys are taken to be."""
+        """Whether ``state`` is this DP rank's own stream (same world, windows and batch shape) that ``batches_done``
+        alone restores; states older than these keys are taken to be. Other windows (``max_seq_length``,
+        ``window_overlap``, ``shuffle``) are another window list, which ``continue_from`` refuses: the data starts
+        afresh, with a warning, rather than replaying a count of batches over windows it did not count."""
         here = {"dp_rank": self.dp_rank, "dp_world_size": self.dp_world_size}
-        here.update({key: self.cfg[key] for key in BATCH_SHAPE_KEYS})
+        here.update({key: self.cfg[key] for key in (*WINDOW_KEYS, *BATCH_SHAPE_KEYS)})
         return all(state.get(key, value) == value for key, value in here.items())
 
     def continue_from(self, states: list[dict]) -> str:

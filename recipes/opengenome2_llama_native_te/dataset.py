@@ -68,8 +68,11 @@ DEFAULTS = {
 # Written by reshard_to_parquet.py --chunk-length: whether a row begins / ends its original sequence, so that
 # <bos>/<eos> still mark only true sequence boundaries.
 START_COLUMN, END_COLUMN = "seq_start", "seq_end"
-# What a saved cursor means, beside the files and the seed: how records become windows and in what order files are read.
-WINDOW_KEYS = ("format", "sequence_column", "max_seq_length", "window_overlap", "shuffle_files")
+# What a saved cursor means, beside the files and the seed: in what order files and records are read, and how records
+# are cut into windows. A cursor moves to other window settings (it names a token of a record); not to another order.
+ORDER_KEYS = ("format", "sequence_column", "shuffle_files")
+GEOMETRY_KEYS = ("max_seq_length", "window_overlap")
+WINDOW_KEYS = (*ORDER_KEYS, *GEOMETRY_KEYS)
 
 
 # ------------------------------------------------------------------------------------------------ reading files
@@ -276,6 +279,22 @@ class GenomicStream(torch.utils.data.IterableDataset):
             files = [files[i] for i in np.random.default_rng([self.seed, epoch, dp_rank]).permutation(len(files))]
         return [Unit(file, keep_every, keep_from) for file in files]
 
+    def _in_last_window(self, begin: tuple[int, int, int], num_windows: int) -> tuple[int, int, int]:
+        """``begin`` (record, window, offset) moved from other window settings may name a window past the record's
+        last (``_moved``): its token is then in the last one, whose start is a whole number of strides in too."""
+        stride = self.cfg["max_seq_length"] - self.cfg["window_overlap"]
+        record, window, offset = begin
+        last = num_windows - 1
+        return record, last, (window - last) * stride + offset
+
+    def _moved(self, position: tuple[int, int, int], old_stride: int) -> tuple[int, int, int]:
+        """(record, window, offset) written with windows ``old_stride`` apart, as this run's windows: the same token
+        of the record (windows start every stride tokens), possibly past the last window (``_in_last_window``)."""
+        record, window, offset = position
+        stride = self.cfg["max_seq_length"] - self.cfg["window_overlap"]
+        token = window * old_stride + offset
+        return record, token // stride, token % stride
+
     def _my_units(self, epoch: int) -> list[Unit]:
         return self._units(epoch, self.dp_rank, self.dp_world_size, self.leftover, self.first_epoch)
 
@@ -306,7 +325,10 @@ class GenomicStream(torch.utils.data.IterableDataset):
                     if not record.text:
                         continue
                     found = True
-                    for number, window in enumerate(self._windows_of(record)):
+                    windows = self._windows_of(record)
+                    if index == begin[0] and begin[1] >= len(windows):
+                        begin = self._in_last_window(begin, len(windows))
+                    for number, window in enumerate(windows):
                         if (index, number) < begin[:2]:
                             continue
                         offset = begin[2] if (index, number) == begin[:2] else 0
@@ -404,9 +426,12 @@ class GenomicStream(torch.utils.data.IterableDataset):
         return dataset_state_in(loader_state)
 
     def reads_like(self, state: dict) -> bool:
-        """Whether ``state`` is this DP rank's own stream, which its cursor alone restores (states older than these
-        keys are taken to be). The batch shape may change: the cursor points at a token, not a batch."""
+        """Whether ``state`` is this DP rank's own stream with this run's windows, which its cursor alone restores
+        (states older than these keys are taken to be). The batch shape may change: the cursor points at a token, not
+        a batch. Other window settings (e.g. a longer ``max_seq_length``) go through ``continue_from``, which moves
+        the cursors to the new windows."""
         here = {"dp_rank": self.dp_rank, "dp_world_size": self.dp_world_size}
+        here.update({key: self.cfg[key] for key in WINDOW_KEYS})
         return all(state.get(key, value) == value for key, value in here.items())
 
     def continue_from(self, states: list[dict]) -> str:
@@ -418,16 +443,30 @@ class GenomicStream(torch.utils.data.IterableDataset):
         every new rank starts its own passes over its share of the files, at an epoch after all of the old ones.
         No token is read twice in a pass, and none is skipped.
 
+        The same happens on the same ranks with other ``max_seq_length`` or ``window_overlap``: every position names
+        a token of a record, which the new windows hold too.
+
         Raises ``ValueError`` when ``states`` cannot describe that world (an older format, ranks missing or
-        disagreeing, other files or windows): the caller then starts the data afresh.
+        disagreeing, other files or another order): the caller then starts the data afresh.
         """
         needed = ("cursor", "leftover", "first_epoch", "num_files_total", *WINDOW_KEYS)
         old_world, by_rank = states_by_dp_rank(states, needed)
-        reading_now = {"num_files_total": len(self.all_files)} | {key: self.cfg[key] for key in WINDOW_KEYS}
+        reading_now = {"num_files_total": len(self.all_files)} | {key: self.cfg[key] for key in ORDER_KEYS}
         if any(s[key] != value for s in by_rank.values() for key, value in reading_now.items()):
-            raise ValueError(f"it was reading other files or windows (this run's: {reading_now})")
-        if any((s["leftover"], s["first_epoch"]) != (states[0]["leftover"], states[0]["first_epoch"]) for s in states):
+            raise ValueError(f"it was reading other files or in another order (this run's: {reading_now})")
+        if any(
+            (s["leftover"], s["first_epoch"], *(s[key] for key in GEOMETRY_KEYS))
+            != (states[0]["leftover"], states[0]["first_epoch"], *(states[0][key] for key in GEOMETRY_KEYS))
+            for s in states
+        ):
             raise ValueError("its ranks disagree on the earlier worlds of the run")
+        # Positions name a token by (record, window, offset); other window settings here move them to this run's.
+        same_windows = all(states[0][key] == self.cfg[key] for key in GEOMETRY_KEYS)
+        old_stride = int(states[0]["max_seq_length"]) - int(states[0]["window_overlap"])
+
+        def moved(unit: Unit, at: tuple[int, int, int]) -> Unit:
+            record, window, offset = at if same_windows else self._moved(at, old_stride)
+            return replace(unit, record=record, window=window, offset=offset)
 
         old_leftover, old_first = [Unit(**unit) for unit in states[0]["leftover"]], int(states[0]["first_epoch"])
         leftover, begun = [], 0
@@ -437,7 +476,7 @@ class GenomicStream(torch.utils.data.IterableDataset):
             if units:
                 at = max(units[0].start(), (cursor.record, cursor.window, cursor.offset))
                 begun += at != (0, 0, 0)
-                leftover += [replace(units[0], record=at[0], window=at[1], offset=at[2]), *units[1:]]
+                leftover += [moved(units[0], at), *(moved(unit, unit.start()) for unit in units[1:])]
         self.leftover = leftover
         self.first_epoch = max(Cursor(**s["cursor"]).epoch for s in states) + 1
         self.cursor, self.batches = Cursor(epoch=self.first_epoch - 1), 0

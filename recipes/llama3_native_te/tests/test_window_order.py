@@ -146,7 +146,9 @@ def test_states_that_cannot_be_continued_are_refused(tokenizer, data_cfg):
         dataset.continue_from(states[:1])
     with pytest.raises(ValueError, match="predate"):
         dataset.continue_from([{"batches_done": 3}])
+    longer = _dataset(tokenizer, {**data_cfg, "max_seq_length": 40}, 0, 2)
+    assert not longer.reads_like(states[0])  # replaying 3 batches over other windows would misplace the stream
     with pytest.raises(ValueError, match="other windows"):
-        _dataset(tokenizer, {**data_cfg, "max_seq_length": 40}, 0, 1).continue_from(states)
+        longer.continue_from(states)
     with pytest.raises(ValueError, match="stopped at different positions"):
         dataset.continue_from([*states, {**states[1], "batches_done": 4}])
