@@ -17,7 +17,7 @@ from checkpoint import Checkpointer, export_final_model, gather_full_state_dict
 from dataset import create_dataloader
 from distributed import build_meshes, cleanup_distributed, move_to_device, setup_distributed
 from fp8_calibration import calibrate_on_first_batch
-from grad_accumulation import count_targets, token_weights
+from grad_accumulation import count_targets, step_token_weights
 from grad_clipping import clip_grad_norm_and_step
 from model_families import load_tokenizer
 from model_setup import build_model, build_optimizer
@@ -108,10 +108,12 @@ def main(cfg: DictConfig) -> None:
     for step in range(start_step + 1, cfg.num_train_steps + 1):
         with profiler.step_context(step):
             step_loss = torch.zeros((), device=device)
-            # Weight each micro-batch by its share of the step's masked tokens: k micro-batches then give the
-            # gradient of one batch holding all of them, however many tokens the masking picked in each.
+            # Weight each micro-batch by its share of the step's masked tokens on all DP ranks: k micro-batches then
+            # give the gradient of one batch holding all of them, however many tokens the masking picked in each.
             micro_batches = [next(batches) for _ in range(cfg.grad_acc_steps)]
-            weights = token_weights([count_targets(batch, causal_lm=False) for batch in micro_batches])
+            weights = step_token_weights(
+                [count_targets(batch, causal_lm=False) for batch in micro_batches], device, meshes.dp.get_group()
+            )
             for micro_step, batch in enumerate(micro_batches):
                 # The model runs its MLM head on the masked tokens only; they are found here, on the CPU (on the GPU
                 # that would cost a host sync per micro-batch).

@@ -17,7 +17,7 @@ from checkpoint import Checkpointer, export_final_model, gather_full_state_dict
 from dataset import create_dataloader, held_out_batches
 from distributed import cleanup_distributed, move_to_device, setup_distributed
 from fp8_calibration import calibrate_on_first_batch
-from grad_accumulation import count_targets, token_weights
+from grad_accumulation import count_targets, step_token_weights
 from grad_clipping import clip_grad_norm_and_step
 from mixed_precision import computes_in_bf16
 from model_setup import build_model
@@ -102,10 +102,10 @@ def main(cfg: DictConfig) -> None:
     for step in range(start_step + 1, cfg.num_train_steps + 1):
         with profiler.step_context(step):
             step_loss = torch.zeros((), device=device)
-            # Weight each micro-batch by its share of the step's masked genes: k micro-batches then give the
-            # gradient of one batch holding all of them, however many genes the masking picked in each.
+            # Weight each micro-batch by its share of the step's masked genes on all DP ranks: k micro-batches then
+            # give the gradient of one batch holding all of them, however many genes the masking picked in each.
             micro_batches = [next(batches) for _ in range(cfg.grad_acc_steps)]
-            weights = token_weights([count_targets(batch, causal_lm=False) for batch in micro_batches])
+            weights = step_token_weights([count_targets(batch, causal_lm=False) for batch in micro_batches], device)
             for micro_step, batch in enumerate(micro_batches):
                 # The model runs its MLM head on the masked genes only; they are found here, on the CPU (on the GPU
                 # that would cost a host sync per micro-batch).

@@ -18,7 +18,7 @@ from checkpoint import Checkpointer, export_final_model, gather_full_state_dict
 from dataset import create_dataloader, held_out_batches
 from distributed import Meshes, cleanup_distributed, move_to_device, setup_distributed
 from fp8_calibration import calibrate_on_first_batch
-from grad_accumulation import count_targets, token_weights
+from grad_accumulation import count_targets, step_token_weights
 from grad_clipping import clip_grad_norm_and_step
 from model_setup import build_model
 from omegaconf import DictConfig, OmegaConf
@@ -119,9 +119,10 @@ def main(cfg: DictConfig) -> None:
     for step in range(start_step + 1, cfg.num_train_steps + 1):
         with profiler.step_context(step):
             step_loss = torch.zeros((), device=device)
-            # Weight each micro-batch by its share of the step's masked genes (as one batch holding them all).
+            # Weight each micro-batch by its share of the step's masked genes on all DP ranks (as one batch holding
+            # them all).
             micro_batches = [next(batches) for _ in range(cfg.grad_acc_steps)]
-            weights = token_weights([count_targets(batch, causal_lm=False) for batch in micro_batches])
+            weights = step_token_weights([count_targets(batch, causal_lm=False) for batch in micro_batches], device)
             for micro_step, batch in enumerate(micro_batches):
                 # The model runs its MLM head on the masked genes only; they are found here, on the CPU (on the GPU
                 # that would cost a host sync per micro-batch).

@@ -22,7 +22,7 @@ from context_parallel import shard_for_context_parallel
 from dataset import create_dataloader, held_out_batches
 from distributed import build_meshes, cleanup_distributed, move_to_device, setup_distributed
 from fp8_calibration import calibrate_on_first_batch
-from grad_accumulation import count_targets, token_weights
+from grad_accumulation import count_targets, step_token_weights
 from grad_clipping import clip_grad_norm_and_step
 from model_setup import build_model
 from omegaconf import DictConfig, OmegaConf
@@ -120,7 +120,9 @@ def main(cfg: DictConfig) -> None:
             step_loss = torch.zeros((), device=device)
             # Weights come from the full batches, so every rank of a CP group uses the same ones.
             micro_batches = [next(batches) for _ in range(cfg.grad_acc_steps)]
-            weights = token_weights([count_targets(batch, causal_lm=True) for batch in micro_batches])
+            weights = step_token_weights(
+                [count_targets(batch, causal_lm=True) for batch in micro_batches], device, meshes.dp.get_group()
+            )
             for micro_step, full_batch in enumerate(micro_batches):
                 batch = move_to_device(shard_for_context_parallel(full_batch, cp_rank, cfg.cp_size), device)
                 perf.count_batch(batch)

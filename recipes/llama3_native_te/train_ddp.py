@@ -18,7 +18,7 @@ from collator import pad_token_id
 from dataset import create_dataloader, held_out_batches
 from distributed import cleanup_distributed, move_to_device, setup_distributed
 from fp8_calibration import calibrate_on_first_batch
-from grad_accumulation import count_targets, token_weights
+from grad_accumulation import count_targets, step_token_weights
 from grad_clipping import clip_grad_norm_and_step
 from mixed_precision import computes_in_bf16
 from model_setup import build_model
@@ -102,10 +102,10 @@ def main(cfg: DictConfig) -> None:
     for step in range(start_step + 1, cfg.num_train_steps + 1):
         with profiler.step_context(step):
             step_loss = torch.zeros((), device=device)
-            # Weight each micro-batch by its share of the step's scored tokens: k micro-batches then give the
-            # gradient of one batch holding all of them, however the degenerate-base masking falls.
+            # Weight each micro-batch by its share of the step's scored tokens on all DP ranks: k micro-batches then
+            # give the gradient of one batch holding all of them, however the degenerate-base masking falls.
             micro_batches = [next(batches) for _ in range(cfg.grad_acc_steps)]
-            weights = token_weights([count_targets(batch, causal_lm=True) for batch in micro_batches])
+            weights = step_token_weights([count_targets(batch, causal_lm=True) for batch in micro_batches], device)
             for micro_step, batch in enumerate(micro_batches):
                 batch = move_to_device(batch, device)
                 perf.count_batch(batch)

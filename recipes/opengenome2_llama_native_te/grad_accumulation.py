@@ -7,8 +7,17 @@ tokens, exactly as one batch holding them all would. Each micro-batch's loss is 
 short micro-batches, which packing and masking make common.) Micro-batches with no scored token contribute nothing;
 if none has any, the weights are equal so the step stays well defined.
 
+The same holds across data-parallel ranks (``step_token_weights``): DDP and FSDP average the ranks' gradients, so
+with ``n_i * dp / N``, ``N`` counted over every DP rank's micro-batches of the step, the step's gradient is the mean
+over all of its scored tokens, however they are split over ranks and micro-batches (2 ranks x 1 micro-batch = 1
+rank x 2). With each rank's own ``n_i / sum(n)`` a token on a rank that drew few scored tokens would weigh more.
+
 Count on the full batches, before any context-parallel split, so every rank of a CP group uses the same weights.
 """
+
+import torch
+import torch.distributed as dist
+
 
 IGNORE_INDEX = -100
 
@@ -39,3 +48,20 @@ def token_weights(scored_tokens: list[int]) -> list[float]:
     if total == 0:
         return [1 / len(scored_tokens)] * len(scored_tokens)
     return [count / total for count in scored_tokens]
+
+
+def step_token_weights(scored_tokens: list[int], device: torch.device, dp_group=None) -> list[float | torch.Tensor]:
+    """Each micro-batch's weight in a step that the data-parallel ranks share: ``n_i * dp / N``, with ``N`` the
+    step's scored tokens over all DP ranks (one all-reduce of one number, left on ``device``: no host sync).
+
+    ``dp_group`` is the group across DP ranks; None means every process (DDP, Megatron-FSDP), or none without a process
+    group. Context-parallel ranks of one DP group count the same full batches, so under CP it is the ``dp`` mesh's
+    group, not the world. With one DP rank this is ``token_weights``."""
+    if dp_group is None and dist.is_initialized():
+        dp_group = dist.group.WORLD
+    if dp_group is None or dist.get_world_size(dp_group) == 1:
+        return token_weights(scored_tokens)
+    total = torch.tensor(float(sum(scored_tokens)), device=device)
+    dist.all_reduce(total, group=dp_group)
+    scale = dist.get_world_size(dp_group) / total.clamp(min=1)
+    return [count * scale for count in scored_tokens]

@@ -345,6 +345,27 @@ def test_grad_accumulation_equals_one_larger_batch(tmp_path, script, extra, smal
     assert_same_training_to_float32_rounding(tmp_path / "acc", tmp_path / "big")
 
 
+@pytest.mark.parametrize("script", ["train_ddp.py", "train_fsdp2.py"])
+def test_two_ranks_of_one_sequence_equal_one_rank_of_two(tmp_path, script):
+    """The same step split over ranks instead of micro-batches: 2 ranks x 1 sequence == 1 rank x 2 micro-batches of
+    1 (rank r reads the r-th sequence of each pair, the one rank both, with the same masks). Equal because every
+    micro-batch weighs its masked tokens over the whole step's, on all ranks (grad_accumulation.step_token_weights):
+    with each rank's own mean, a token on the rank that drew fewer masked tokens would weigh more, and they differ."""
+    common = [
+        *CONVERGE,
+        "num_train_steps=3",
+        "logger.log_every=1",
+        "dataset.input_format=bshd",
+        "dataset.micro_batch_size=1",
+        "dataset.num_workers=0",
+        "adamw_kwargs.eps=1e-3",
+        "checkpoint.save_final=false",
+    ]
+    train(script, tmp_path / "ranks", *common, "grad_acc_steps=1", nproc=2)
+    train(script, tmp_path / "micro_batches", *common, "grad_acc_steps=2", nproc=1)
+    assert_same_training_to_float32_rounding(tmp_path / "ranks", tmp_path / "micro_batches")
+
+
 @pytest.mark.parametrize(
     ("args", "message"),
     [
