@@ -61,7 +61,8 @@ def step_token_weights(scored_tokens: list[int], device: torch.device, dp_group=
         dp_group = dist.group.WORLD
     if dp_group is None or dist.get_world_size(dp_group) == 1:
         return token_weights(scored_tokens)
-    total = torch.tensor(float(sum(scored_tokens)), device=device)
+    # torch.full writes the count with a kernel; torch.tensor would copy it from the host and wait for the GPU.
+    total = torch.full((), float(sum(scored_tokens)), device=device)
     dist.all_reduce(total, group=dp_group)
     scale = dist.get_world_size(dp_group) / total.clamp(min=1)
     return [count * scale for count in scored_tokens]
