@@ -280,10 +280,7 @@ class GenomicBatches(torch.utils.data.IterableDataset):
         self.batches_done = int(state["batches_done"])
         self.history = list(state.get("history", []))
 
-    @staticmethod
-    def position_in(loader_state: dict | None) -> dict | None:
-        """This dataset's state inside a ``StatefulDataLoader`` state."""
-        return dataset_state_in(loader_state)
+    position_in = staticmethod(dataset_state_in)  # this dataset's state inside a StatefulDataLoader state
 
     def reads_like(self, state: dict) -> bool:
         """Whether ``state`` is this DP rank's own stream (same world, windows and batch shape) that ``batches_done``

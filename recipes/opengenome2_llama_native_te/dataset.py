@@ -41,6 +41,7 @@ from collator import LabelMaker, collate_bshd, collate_thd, pad_token_id
 from context_parallel import context_parallel_batch
 from data_resume import dataset_state_in, states_by_dp_rank
 from sequence_windows import sequence_windows
+from stream_order import Cursor, PassOrder, Unit, in_last_window, moved_position
 from torchdata.stateful_dataloader import StatefulDataLoader
 from user_errors import ConfigError, PathNotFoundError
 from validation import HeldOutBatches
@@ -209,42 +210,6 @@ def iter_records(
 # ------------------------------------------------------------------------------------------------ the stream
 
 
-@dataclass(frozen=True)
-class Cursor:
-    """The next unread token: ``offset`` tokens into window ``window`` of record ``record`` (its index in the file)
-    of the ``file``-th unit of this rank's order for ``epoch`` (see ``Unit``)."""
-
-    epoch: int = 0
-    file: int = 0
-    record: int = 0
-    window: int = 0
-    offset: int = 0
-
-    def key(self) -> tuple[int, int, int, int]:
-        return (self.epoch, self.file, self.record, self.window)
-
-
-@dataclass(frozen=True)
-class Unit:
-    """One file's share of a rank's pass: the records ``index % keep_every == keep_from`` of file number ``file`` of
-    the dataset, from token ``offset`` of window ``window`` of record ``record`` on. A normal epoch's units are the
-    rank's files from their start; the leftover pass of a run resumed on another number of ranks starts some of them
-    where an old rank had stopped."""
-
-    file: int
-    keep_every: int = 1
-    keep_from: int = 0
-    record: int = 0
-    window: int = 0
-    offset: int = 0
-
-    def keeps(self, index: int) -> bool:
-        return index % self.keep_every == self.keep_from
-
-    def start(self) -> tuple[int, int, int]:
-        return (self.record, self.window, self.offset)
-
-
 class GenomicStream(torch.utils.data.IterableDataset):
     """Batches for one data-parallel rank: endless and resumable for training, or one ordered pass (validation)."""
 
@@ -254,6 +219,7 @@ class GenomicStream(torch.utils.data.IterableDataset):
         self.cfg, self.seed, self.endless, self.cp_size = cfg, seed, endless, cp_size
         self.dp_rank, self.dp_world_size = dp_rank, dp_world_size
         self.all_files = list(files)
+        self.order = PassOrder(len(files), seed, shuffle=endless and cfg["shuffle_files"])
         self.by_file = len(files) >= dp_world_size
         self.files = list(files[dp_rank::dp_world_size]) if self.by_file else list(files)
         self.tokenizer = tokenizer
@@ -261,42 +227,15 @@ class GenomicStream(torch.utils.data.IterableDataset):
         self.labels = LabelMaker(tokenizer, cfg["uppercase_labels"], cfg["mask_degenerate_bases"])
         self.pad_token_id = pad_token_id(tokenizer)
         self.cursor, self.batches = Cursor(), 0
-        # After a resume on another number of ranks (``continue_from``): what the old ranks had left of their passes,
-        # dealt out to this world's ranks as their pass ``first_epoch - 1``; their own epochs start at ``first_epoch``.
+        # After a resume on another number of ranks (``continue_from``): the old ranks' leftover pass (stream_order.py).
         self.leftover: list[Unit] = []
         self.first_epoch = 0
 
-    def _units(self, epoch: int, dp_rank: int, dp_world_size: int, leftover: list[Unit], first_epoch: int):
-        """The units DP rank ``dp_rank`` of a world of ``dp_world_size`` (with that leftover) reads in ``epoch``."""
-        if epoch < first_epoch:
-            return leftover[dp_rank::dp_world_size]
-        if len(self.all_files) >= dp_world_size:  # whole files per rank, in a new seeded order every epoch
-            files = list(range(dp_rank, len(self.all_files), dp_world_size))
-            keep_every, keep_from = 1, 0
-        else:  # every rank reads every file and keeps its every n-th record
-            files, keep_every, keep_from = list(range(len(self.all_files))), dp_world_size, dp_rank
-        if self.endless and self.cfg["shuffle_files"]:
-            files = [files[i] for i in np.random.default_rng([self.seed, epoch, dp_rank]).permutation(len(files))]
-        return [Unit(file, keep_every, keep_from) for file in files]
-
-    def _in_last_window(self, begin: tuple[int, int, int], num_windows: int) -> tuple[int, int, int]:
-        """``begin`` (record, window, offset) moved from other window settings may name a window past the record's
-        last (``_moved``): its token is then in the last one, whose start is a whole number of strides in too."""
-        stride = self.cfg["max_seq_length"] - self.cfg["window_overlap"]
-        record, window, offset = begin
-        last = num_windows - 1
-        return record, last, (window - last) * stride + offset
-
-    def _moved(self, position: tuple[int, int, int], old_stride: int) -> tuple[int, int, int]:
-        """(record, window, offset) written with windows ``old_stride`` apart, as this run's windows: the same token
-        of the record (windows start every stride tokens), possibly past the last window (``_in_last_window``)."""
-        record, window, offset = position
-        stride = self.cfg["max_seq_length"] - self.cfg["window_overlap"]
-        token = window * old_stride + offset
-        return record, token // stride, token % stride
-
     def _my_units(self, epoch: int) -> list[Unit]:
-        return self._units(epoch, self.dp_rank, self.dp_world_size, self.leftover, self.first_epoch)
+        return self.order.units(epoch, self.dp_rank, self.dp_world_size, self.leftover, self.first_epoch)
+
+    def _stride(self) -> int:
+        return self.cfg["max_seq_length"] - self.cfg["window_overlap"]
 
     def _windows_of(self, record: Record) -> list[np.ndarray]:
         ids = self.tokenizer(record.text, add_special_tokens=False)["input_ids"]
@@ -327,7 +266,7 @@ class GenomicStream(torch.utils.data.IterableDataset):
                     found = True
                     windows = self._windows_of(record)
                     if index == begin[0] and begin[1] >= len(windows):
-                        begin = self._in_last_window(begin, len(windows))
+                        begin = in_last_window(begin, len(windows), self._stride())
                     for number, window in enumerate(windows):
                         if (index, number) < begin[:2]:
                             continue
@@ -420,10 +359,7 @@ class GenomicStream(torch.utils.data.IterableDataset):
         self.leftover = [Unit(**unit) for unit in state.get("leftover", [])]
         self.first_epoch = int(state.get("first_epoch", 0))
 
-    @staticmethod
-    def position_in(loader_state: dict | None) -> dict | None:
-        """This dataset's state inside a ``StatefulDataLoader`` state."""
-        return dataset_state_in(loader_state)
+    position_in = staticmethod(dataset_state_in)  # this dataset's state inside a StatefulDataLoader state
 
     def reads_like(self, state: dict) -> bool:
         """Whether ``state`` is this DP rank's own stream with this run's windows, which its cursor alone restores
@@ -465,14 +401,14 @@ class GenomicStream(torch.utils.data.IterableDataset):
         old_stride = int(states[0]["max_seq_length"]) - int(states[0]["window_overlap"])
 
         def moved(unit: Unit, at: tuple[int, int, int]) -> Unit:
-            record, window, offset = at if same_windows else self._moved(at, old_stride)
+            record, window, offset = at if same_windows else moved_position(at, old_stride, self._stride())
             return replace(unit, record=record, window=window, offset=offset)
 
         old_leftover, old_first = [Unit(**unit) for unit in states[0]["leftover"]], int(states[0]["first_epoch"])
         leftover, begun = [], 0
         for rank in range(old_world):
             cursor = Cursor(**by_rank[rank]["cursor"])
-            units = self._units(cursor.epoch, rank, old_world, old_leftover, old_first)[cursor.file :]
+            units = self.order.units(cursor.epoch, rank, old_world, old_leftover, old_first)[cursor.file :]
             if units:
                 at = max(units[0].start(), (cursor.record, cursor.window, cursor.offset))
                 begun += at != (0, 0, 0)

@@ -373,22 +373,22 @@ class Checkpointer:
 
     def _load_rank_state(self, path: Path, dataloader: Any) -> None:
         rank_state = _read_rank_state(path, _rank())
-        sampler = _continuable_sampler(dataloader)
+        order = _continuable_data_order(dataloader)
         if rank_state is not None and rank_state["world_size"] == _world_size():
             loader_state = rank_state["dataloader"]
-            sampler_state = sampler.position_in(loader_state) if sampler is not None else None
+            order_state = order.position_in(loader_state) if order is not None else None
             # (The same number of ranks may still read the data otherwise: another split into data-parallel ranks,
             # e.g. another cp_size, or, for Llama's windows, another batch shape.)
-            if sampler is None or sampler_state is None or sampler.reads_like(sampler_state):
+            if order is None or order_state is None or order.reads_like(order_state):
                 if dataloader is not None and loader_state is not None:
                     dataloader.load_state_dict(loader_state)
                 _set_rng_state(rank_state["rng"])
                 return
         saved_world = rank_state["world_size"] if rank_state else _saved_world_size(path)
         data = "the data order starts afresh"
-        if sampler is not None and saved_world:
+        if order is not None and saved_world:
             try:
-                data = sampler.continue_from(_saved_sampler_states(path, saved_world, sampler))
+                data = order.continue_from(_saved_order_states(path, saved_world, order))
             except (ValueError, FileNotFoundError) as err:
                 data = f"the data order starts afresh ({err})"
         if saved_world == _world_size():
@@ -415,7 +415,7 @@ def _saved_world_size(path: Path) -> int | None:
     return state["world_size"] if state else None
 
 
-def _continuable_sampler(dataloader: Any) -> Any:
+def _continuable_data_order(dataloader: Any) -> Any:
     """What orders the loader's data, if it can continue another world's positions, else None: its batch sampler
     (``EpochBatchSampler``) or its iterable dataset (the Llama recipes' ``GenomicBatches``, ``GenomicStream``)."""
     needed = ("continue_from", "reads_like", "position_in")
@@ -425,17 +425,17 @@ def _continuable_sampler(dataloader: Any) -> Any:
     return None
 
 
-def _saved_sampler_states(path: Path, saved_world: int, sampler: Any) -> list[dict]:
-    """Every saved rank's batch-sampler state (each rank of the new world reads them all: they are small)."""
+def _saved_order_states(path: Path, saved_world: int, order: Any) -> list[dict]:
+    """Every saved rank's data-order state (each rank of the new world reads them all: they are small)."""
     states = []
     for rank in range(saved_world):
         state = _read_rank_state(path, rank)
         if state is None:
             raise FileNotFoundError(f"{path} lacks rank{rank}_state.pt")
-        sampler_state = sampler.position_in(state["dataloader"])
-        if sampler_state is None:
-            raise ValueError(f"rank {rank} saved no batch-sampler position")
-        states.append(sampler_state)
+        order_state = order.position_in(state["dataloader"])
+        if order_state is None:
+            raise ValueError(f"rank {rank} saved no data position")
+        states.append(order_state)
     return states
 
 

@@ -7,11 +7,13 @@ by (file, record, window, position in the window); an old rank has read the toke
 
 import gzip
 import json
+from dataclasses import astuple
 from itertools import islice
 
 import numpy as np
 import pytest
-from dataset import Cursor, Unit, create_dataloader
+from dataset import create_dataloader
+from stream_order import Cursor, Unit, moved_position
 
 
 @pytest.fixture
@@ -48,11 +50,11 @@ def _read(stream, batches: int) -> dict[int, set]:
     for _ in range(batches):
         next(batches_taken)
     del stream._windows
-    stop = stream.cursor.key() + (stream.cursor.offset,)
+    stop = astuple(stream.cursor)
     read: dict[int, set] = {}
     for cursor, file, length in handed_out:
         for position in range(cursor.offset, cursor.offset + length):
-            if cursor.key() + (position,) < stop:  # packing may have taken a window it had not used up
+            if (*astuple(cursor)[:4], position) < stop:  # packing may have taken a window it had not used up
                 read.setdefault(cursor.epoch, set()).add((file, cursor.record, cursor.window, position))
     return read
 
@@ -195,7 +197,7 @@ def test_every_token_of_a_record_is_found_again_under_other_windows(tokenizer, t
     new = _stream(tokenizer, _cfg(tmp_path, max_seq_length=48, window_overlap=16), 0, 1)
     new.first_epoch = 1  # read a one-unit leftover pass, as continue_from sets up
     for token in range(len(record_tokens)):
-        record, window, offset = new._moved((0, *divmod(token, 32)), old_stride=32)
+        record, window, offset = moved_position((0, *divmod(token, 32)), old_stride=32, stride=32)
         new.leftover = [Unit(0, record=record, window=window, offset=offset)]
         _, piece = next(new._windows(Cursor(epoch=0)))
         assert np.array_equal(piece, record_tokens[token : token + len(piece)]), token
