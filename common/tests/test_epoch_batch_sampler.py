@@ -73,6 +73,12 @@ def test_exact_resume_on_the_same_ranks():
     assert list(itertools.islice(iter(again), 30)) == expected
     assert not sampler(0, 2, token_budget=100).reads_like(state)
     assert not sampler(1, 3, token_budget=100).reads_like(state)
+    # Another dataset on the same ranks: its position would name other rows, so it goes to continue_from, which
+    # refuses it (the data then starts afresh, with a warning).
+    other_data = EpochBatchSampler(ROWS[:-1], LENGTHS, dp_rank=1, dp_world_size=2, seed=7, token_budget=100)
+    assert not other_data.reads_like(state)
+    with pytest.raises(ValueError, match="another dataset"):
+        other_data.continue_from([state, {**state, "dp_rank": 0}])
 
 
 @pytest.mark.parametrize(("old_world", "new_world"), [(2, 1), (1, 3), (3, 2), (2, 4)])

@@ -71,10 +71,11 @@ class EpochBatchSampler:
         return main.get("_index_sampler_state")
 
     def reads_like(self, state: dict) -> bool:
-        """Whether ``state`` was saved by the sampler of this DP rank in a world of this size (older states, which do
-        not say, are taken to be)."""
-        same_world = state.get("dp_world_size", self.dp_world_size) == self.dp_world_size
-        return same_world and state.get("dp_rank", self.dp_rank) == self.dp_rank
+        """Whether ``state`` was saved by the sampler of this DP rank in a world of this size over as many usable rows
+        (older states, which do not say, are taken to be). A position in another number of rows would name other
+        rows: ``continue_from`` refuses it, and the data starts afresh with a warning."""
+        here = {"dp_world_size": self.dp_world_size, "dp_rank": self.dp_rank, "num_rows": len(self.rows)}
+        return all(state.get(key, value) == value for key, value in here.items())
 
     def continue_from(self, states: list[dict]) -> str:
         """Continue where the ranks of an earlier world (``states``: every one of their sampler states, in any order;

@@ -285,9 +285,10 @@ class GenomicBatches(torch.utils.data.IterableDataset):
     def reads_like(self, state: dict) -> bool:
         """Whether ``state`` is this DP rank's own stream (same world, windows and batch shape) that ``batches_done``
         alone restores; states older than these keys are taken to be. Other windows (``max_seq_length``,
-        ``window_overlap``, ``shuffle``) are another window list, which ``continue_from`` refuses: the data starts
-        afresh, with a warning, rather than replaying a count of batches over windows it did not count."""
-        here = {"dp_rank": self.dp_rank, "dp_world_size": self.dp_world_size}
+        ``window_overlap``, ``shuffle``, or other data: another number of windows) are another window list, which
+        ``continue_from`` refuses: the data starts afresh, with a warning, rather than replaying a count of batches
+        over windows it did not count."""
+        here = {"dp_rank": self.dp_rank, "dp_world_size": self.dp_world_size, "num_windows": len(self.windows)}
         here.update({key: self.cfg[key] for key in (*WINDOW_KEYS, *BATCH_SHAPE_KEYS)})
         return all(state.get(key, value) == value for key, value in here.items())
 

@@ -86,9 +86,11 @@ def main(cfg: DictConfig) -> None:
         async_save=cfg.checkpoint.async_save,
         max_checkpoints=cfg.checkpoint.max_checkpoints,
     )
-    start_step = 0
     if cfg.checkpoint.resume:
         start_step = checkpointer.load_latest(model, optimizer, scheduler, dataloader)
+    else:
+        start_step = checkpointer.start_afresh()  # refuses an earlier run's checkpoints
+    validator.resume_at(start_step)  # the steps after it are validated again
     if dist_config.is_main_process():  # after resuming: a run refused for another model shape leaves it as it was
         built.config.save_pretrained(Path(cfg.checkpoint.ckpt_dir) / "model_config")
     with torch.random.fork_rng(devices=[]):  # making the iterator draws from the RNG; keep resumed runs identical

@@ -28,6 +28,7 @@ import torch
 import torch.distributed as dist
 from distributed import move_to_device
 from grad_accumulation import count_targets
+from perf_logger import drop_metrics_after
 from user_errors import ConfigError
 
 
@@ -110,6 +111,12 @@ class Validator:
         self.data = held_out(str(self.path))
         if self.data.description:
             logger.info("Validation data: %s", self.data.description)
+
+    def resume_at(self, step: int) -> None:
+        """A run resumed from checkpoint ``step`` validates the steps after it again: drop their rows (global rank 0),
+        written by the job that died before its next checkpoint, so ``validation.jsonl`` holds each step once."""
+        if step > 0 and (not dist.is_initialized() or dist.get_rank() == 0):
+            drop_metrics_after(self.output_file, step)
 
     @property
     def enabled(self) -> bool:

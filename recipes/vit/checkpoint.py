@@ -331,6 +331,24 @@ class Checkpointer:
 
     # ---------------------------------------------------------------- load
 
+    def start_afresh(self) -> int:
+        """Begin at step 0 without resuming (``checkpoint.resume=false``); returns 0.
+
+        Refuses (``ConfigError``, on every rank) a checkpoint directory that holds complete checkpoints: they are an
+        earlier run's, and this run's saves would meet them. A step they already hold would not be saved again,
+        pruning would delete this run's checkpoints as the oldest, and a later resume would continue the earlier run.
+        Unfinished ``.tmp`` leftovers are no obstacle (resume never reads them and a save replaces them).
+        """
+        # Rank 0 looks, so that every rank stops or none does.
+        newest = _broadcast_from_rank0(find_latest_checkpoint(self.ckpt_dir) if _rank() == 0 else None)
+        if newest is not None:
+            raise ConfigError(
+                f"checkpoint.resume=false, but {self.ckpt_dir} holds checkpoints of an earlier run (newest: "
+                f"{newest.name}); this run's checkpoints would mix with them. Start afresh in a new output_dir (or "
+                "checkpoint.ckpt_dir), delete those checkpoints, or continue them with checkpoint.resume=true"
+            )
+        return 0
+
     def load_latest(
         self,
         model: torch.nn.Module,
@@ -392,7 +410,10 @@ class Checkpointer:
             except (ValueError, FileNotFoundError) as err:
                 data = f"the data order starts afresh ({err})"
         if saved_world == _world_size():
-            ranks = f"was written by {saved_world} ranks that read the data otherwise (another cp_size or batch shape)"
+            ranks = (
+                f"was written by {saved_world} ranks that read the data otherwise (another cp_size, batch shape or "
+                "dataset)"
+            )
         else:
             ranks = f"was written by {saved_world or 'an unknown number of'} ranks, this run has {_world_size()}"
         logger.warning(
@@ -446,7 +467,7 @@ def _check_strategy(path: Path, strategy: Strategy) -> None:
         saved, this = ("DDP", strategy.upper()) if written_by_ddp else ("FSDP2 or Megatron-FSDP", "DDP")
         raise ConfigError(
             f"checkpoint {path} was written by a {saved} run and this is a {this} run: resume it with the entrypoint "
-            "that wrote it, or start afresh with a new output_dir or checkpoint.resume=false"
+            "that wrote it, or start afresh with a new output_dir"
         )
 
 
@@ -484,7 +505,7 @@ def _check_shapes(path: Path, saved: dict[str, tuple], current: dict[str, tuple]
         return
     raise ConfigError(
         f"checkpoint {path} holds a model of another shape ({detail}): resume with the model settings that wrote it "
-        "(model_tag, model_config_overrides), or start afresh with a new output_dir or checkpoint.resume=false"
+        "(model_tag, model_config_overrides), or start afresh with a new output_dir"
     )
 
 

@@ -3,8 +3,9 @@ import shutil
 
 import pytest
 import torch
-from checkpoint import COMPLETE_MARKER, complete_checkpoints, find_latest_checkpoint, prune_checkpoints
+from checkpoint import COMPLETE_MARKER, Checkpointer, complete_checkpoints, find_latest_checkpoint, prune_checkpoints
 from launch import run_script
+from user_errors import ConfigError
 
 
 def _make(ckpt_dir, name, complete=True):
@@ -28,6 +29,22 @@ def test_resume_picks_newest_complete_and_logs_skipped(tmp_path, caplog):
 
 def test_no_checkpoint_dir_means_fresh_start(tmp_path):
     assert find_latest_checkpoint(tmp_path / "missing") is None
+
+
+def test_a_fresh_start_refuses_an_earlier_runs_checkpoints(tmp_path):
+    """checkpoint.resume=false over complete checkpoints would mix two runs (a step they hold is not saved again,
+    pruning deletes the new run's as the oldest, a later resume continues the old run): refused, nothing deleted.
+    Unfinished leftovers are no obstacle."""
+    checkpointer = Checkpointer(tmp_path, "ddp")
+    assert Checkpointer(tmp_path / "missing", "ddp").start_afresh() == 0
+    _make(tmp_path, "step_30.tmp", complete=False)
+    _make(tmp_path, "step_40", complete=False)
+    assert checkpointer.start_afresh() == 0
+    _make(tmp_path, "step_10")
+    _make(tmp_path, "step_20")
+    with pytest.raises(ConfigError, match=f"{tmp_path} holds checkpoints of an earlier run \\(newest: step_20\\)"):
+        checkpointer.start_afresh()
+    assert [path.name for _, path in complete_checkpoints(tmp_path)] == ["step_10", "step_20"]
 
 
 def test_step_numbers_sort_numerically(tmp_path):

@@ -133,7 +133,19 @@ def test_resume_with_another_model_shape_keeps_the_run(finished_run, tmp_path):
     result = run_in_process(
         "train_ddp.py", f"output_dir={run}", wider, *FAST, "num_train_steps=4", expect_failure=True
     )
-    assert_user_error(result, f"checkpoint {run}/checkpoints/step_2 holds a model of another shape", "resume=false")
+    assert_user_error(result, f"checkpoint {run}/checkpoints/step_2 holds a model of another shape", "new output_dir")
+    assert snapshot(run) == before
+
+
+def test_a_fresh_start_over_an_earlier_runs_checkpoints_keeps_them(finished_run, tmp_path):
+    run = shutil.copytree(finished_run, tmp_path / "run")
+    before = snapshot(run)
+    result = run_in_process(
+        "train_ddp.py", f"output_dir={run}", TINY_MODEL, *FAST, "checkpoint.resume=false", expect_failure=True
+    )
+    assert_user_error(
+        result, f"checkpoint.resume=false, but {run}/checkpoints holds checkpoints of an earlier run", "new output_dir"
+    )
     assert snapshot(run) == before
 
 

@@ -163,3 +163,16 @@ def test_no_path_means_never(tmp_path):
     cfg = OmegaConf.create({"path": None, "every_n_steps": 0, "max_batches": None})
     val = Validator(cfg, None, dp_rank=0, device=torch.device("cpu"), output_dir=tmp_path)
     assert not val.enabled and not any(val.due(step) for step in range(1, 100))
+
+
+def test_a_resumed_run_drops_the_rows_it_validates_again(tmp_path):
+    """A job killed after validating step 40 but before its step-40 checkpoint: the run resumed from step 20 drops
+    the rows after 20 (a torn last line too), so validation.jsonl holds each step once after it validates 40 again."""
+    rows = [{"step": 20, "val_loss": 2.0}, {"step": 40, "val_loss": 1.5}]
+    (tmp_path / "validation.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows) + '{"step": 6')
+    cfg = OmegaConf.create({"path": None, "every_n_steps": 20, "max_batches": None})
+    val = Validator(cfg, None, dp_rank=0, device=torch.device("cpu"), output_dir=tmp_path)
+    val.resume_at(0)  # a fresh start touches nothing
+    assert (tmp_path / "validation.jsonl").read_text().endswith('{"step": 6')
+    val.resume_at(20)
+    assert (tmp_path / "validation.jsonl").read_text() == json.dumps(rows[0]) + "\n"

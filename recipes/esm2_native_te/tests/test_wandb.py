@@ -104,8 +104,8 @@ def test_the_offline_run_holds_the_metrics_validation_and_summary_the_run_wrote(
 
 def test_a_resumed_job_continues_the_wandb_run_and_a_fresh_start_begins_another(tmp_path):
     """20 steps, then the same command to 40 resumes from the step-20 checkpoint and logs into the same W&B run: the
-    two jobs' rows are the 40-step run's metrics.jsonl. A job that starts from step 0 (checkpoint.resume=false)
-    starts a new W&B run."""
+    two jobs' rows are the 40-step run's metrics.jsonl. A job that starts from step 0 (checkpoint.resume=false, with
+    checkpoints of its own: it refuses to start over another run's) starts a new W&B run."""
     common = [f"output_dir={tmp_path}", *OFFLINE, "checkpoint.save_every=20"]
     run_script("train_ddp.py", *common, "num_train_steps=20")
     resumed = run_script("train_ddp.py", *common, "num_train_steps=40")
@@ -117,6 +117,7 @@ def test_a_resumed_job_continues_the_wandb_run_and_a_fresh_start_begins_another(
     logged = [row["loss"] for row in first["history"] + second["history"]]
     assert logged == [m["loss"] for m in read_metrics(tmp_path)]
 
-    run_script("train_ddp.py", *common, "num_train_steps=10", "checkpoint.resume=false")
+    fresh_checkpoints = f"checkpoint.ckpt_dir={tmp_path / 'fresh_checkpoints'}"
+    run_script("train_ddp.py", *common, "num_train_steps=10", "checkpoint.resume=false", fresh_checkpoints)
     fresh = [run for run in offline_runs(tmp_path) if run["id"] != first["id"]]
     assert len(fresh) == 1 and fresh[0]["id"] == (tmp_path / "wandb_run_id").read_text().strip()

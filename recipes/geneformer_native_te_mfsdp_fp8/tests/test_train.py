@@ -9,6 +9,7 @@ loss a run logs must be what one process computes for its export.
 
 import json
 import runpy
+import shutil
 import sys
 from pathlib import Path
 
@@ -197,17 +198,20 @@ def test_l0_sanity_converges_and_exports(tmp_path, script, nproc, input_format):
     ],
 )
 def test_stop_and_go_matches_uninterrupted_run(tmp_path, script, extra, write_cells):
-    """40 steps in one go vs 20 + resume + 20: identical losses, gradient norms, final weights and held-out losses.
-    The held-out file has one cell, so on these two ranks rank 1 runs the placeholder batch at every evaluation."""
+    """40 steps in one go vs 40 steps whose step-40 checkpoint is then lost (a job killed after its last validation,
+    before that checkpoint was complete) + resume from step 20 + 20 again: identical losses, gradient norms, final
+    weights and held-out losses, each step's logged once. The held-out file has one cell, so on these two ranks rank 1
+    runs the placeholder batch at every evaluation."""
     one_cell = write_cells([list(range(100, 140))], name="held_out.parquet")
     validate = [f"validation.path={one_cell}", "validation.every_n_steps=20"]
     common = [*CONVERGE, "num_train_steps=40", "logger.log_every=1", "checkpoint.save_every=20", *validate, *extra]
     full = train(script, tmp_path / "full", *common, nproc=2)
-    train(script, tmp_path / "resumed", *common, "num_train_steps=20", nproc=2)
+    train(script, tmp_path / "resumed", *common, nproc=2)
+    shutil.rmtree(tmp_path / "resumed" / "checkpoints" / "step_40")
     resumed = train(script, tmp_path / "resumed", *common, nproc=2)  # same output dir: resumes from step 20
 
     assert_export_reproduces_checkpoint(tmp_path / "full", step=40)
-    assert [m["step"] for m in resumed] == list(range(1, 41))  # metrics.jsonl appends across the restart
+    assert [m["step"] for m in resumed] == list(range(1, 41))  # steps 21-40 logged once, by the resumed job
     assert [m["loss"] for m in resumed] == [m["loss"] for m in full]  # bit-identical, not just close
     assert [m["grad_norm"] for m in resumed] == [m["grad_norm"] for m in full]
     assert validation_records(tmp_path / "resumed") == validation_records(tmp_path / "full")

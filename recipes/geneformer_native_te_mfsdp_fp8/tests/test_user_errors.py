@@ -130,7 +130,7 @@ def test_resume_with_another_model_shape_keeps_the_run(finished_run, tmp_path):
         "train_ddp.py", f"output_dir={run}", *FAST, "num_train_steps=4", "++model_config_overrides.hidden_size=64",
         expect_failure=True,
     )  # fmt: skip
-    assert_user_error(result, f"checkpoint {run}/checkpoints/step_2 holds a model of another shape", "resume=false")
+    assert_user_error(result, f"checkpoint {run}/checkpoints/step_2 holds a model of another shape", "new output_dir")
     assert snapshot(run) == before
 
 

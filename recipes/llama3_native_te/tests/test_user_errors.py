@@ -162,7 +162,7 @@ def test_resume_with_another_model_shape_keeps_the_run(finished_run, tmp_path):
     result = run_in_process(
         "train_ddp.py", f"output_dir={run}", *FAST, "num_train_steps=4", deeper, expect_failure=True
     )
-    assert_user_error(result, f"checkpoint {run}/checkpoints/step_2 holds a model of another shape", "resume=false")
+    assert_user_error(result, f"checkpoint {run}/checkpoints/step_2 holds a model of another shape", "new output_dir")
     assert snapshot(run) == before
 
 

@@ -148,6 +148,8 @@ def test_states_that_cannot_be_continued_are_refused(tokenizer, data_cfg):
         dataset.continue_from([{"batches_done": 3}])
     longer = _dataset(tokenizer, {**data_cfg, "max_seq_length": 40}, 0, 2)
     assert not longer.reads_like(states[0])  # replaying 3 batches over other windows would misplace the stream
+    other_data = {**states[0], "num_windows": states[0]["num_windows"] + 1}  # e.g. another dataset.path
+    assert not _dataset(tokenizer, data_cfg, 0, 2).reads_like(other_data)
     with pytest.raises(ValueError, match="other windows"):
         longer.continue_from(states)
     with pytest.raises(ValueError, match="stopped at different positions"):

@@ -87,7 +87,7 @@ def test_resume_with_another_model_shape_keeps_the_run(l0_run, tmp_path):
     result = run_in_process(
         "train_fsdp2.py", f"output_dir={run}", *FAST, "num_train_steps=70", deeper, expect_failure=True
     )
-    assert_user_error(result, f"checkpoint {run}/checkpoints/step_60 holds a model of another shape", "resume=false")
+    assert_user_error(result, f"checkpoint {run}/checkpoints/step_60 holds a model of another shape", "new output_dir")
     assert snapshot(run) == before
 
 
