@@ -399,7 +399,7 @@ class Checkpointer:
             # e.g. another cp_size, or, for Llama's windows, another batch shape.)
             if order is None or order_state is None or order.reads_like(order_state):
                 if dataloader is not None and loader_state is not None:
-                    dataloader.load_state_dict(loader_state)
+                    _load_loader_state(dataloader, loader_state, order, order_state)
                 _set_rng_state(rank_state["rng"])
                 return
         saved_world = rank_state["world_size"] if rank_state else _saved_world_size(path)
@@ -422,6 +422,33 @@ class Checkpointer:
             ranks,
             data,
         )
+
+
+def _loader_workers(loader_state: dict) -> int:
+    """How many worker processes the ``StatefulDataLoader`` that saved ``loader_state`` ran."""
+    snapshot = loader_state.get("_snapshot")
+    return len(snapshot["_worker_snapshots"]) if snapshot else 0
+
+
+def _load_loader_state(dataloader: Any, loader_state: dict, order: Any, order_state: dict | None) -> None:
+    """Restore the loader's position. A loader state only loads into a loader with as many worker processes
+    (torchdata asserts otherwise); with another ``dataset.num_workers`` the position is what orders the data (its
+    batch sampler or iterable dataset), so that is restored instead, and the loader starts its workers afresh."""
+    saved_workers = _loader_workers(loader_state)
+    if saved_workers == dataloader.num_workers:
+        dataloader.load_state_dict(loader_state)
+        return
+    if order is None or order_state is None:
+        raise ConfigError(
+            f"the checkpoint's data loader ran {saved_workers} worker process(es) and this run's runs "
+            f"{dataloader.num_workers}: resume with dataset.num_workers={saved_workers}"
+        )
+    order.load_state_dict(order_state)
+    logger.info(
+        "dataset.num_workers is %d, the checkpoint's was %d: the data position is restored from its data order",
+        dataloader.num_workers,
+        saved_workers,
+    )
 
 
 def _read_rank_state(path: Path, rank: int) -> dict | None:

@@ -156,3 +156,16 @@ def test_resume_on_another_number_of_ranks_restores_the_state_and_finishes_the_e
     assert len(read_after) == unread - unread % new_world  # all the rest, but for drop_last's remainder
     assert f"written by {old_world} ranks, this run has {new_world}" in result.stderr
     assert f"{old_world} DP ranks had read {len(read_before)} of epoch 0's 61 rows" in result.stderr
+
+
+def test_a_loader_state_of_other_worker_count_without_a_data_order_is_refused_clearly():
+    """torchdata's own check is a bare AssertionError; without a data order to restore instead, say what to set."""
+    from checkpoint import _load_loader_state
+    from torchdata.stateful_dataloader import StatefulDataLoader
+
+    saved = StatefulDataLoader(list(range(8)), batch_size=2, num_workers=0).state_dict()
+    two_workers = StatefulDataLoader(list(range(8)), batch_size=2, num_workers=2)
+    with pytest.raises(
+        ConfigError, match="ran 0 worker process\\(es\\) and this run's runs 2: resume with dataset.num_workers=0"
+    ):
+        _load_loader_state(two_workers, saved, None, None)

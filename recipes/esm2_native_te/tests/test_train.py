@@ -255,11 +255,15 @@ def test_stop_and_go_matches_uninterrupted_run(tmp_path, script, extra, steps):
     The restart also recomputes both layers' activations in backward (``recompute_layers``), which must not change a
     bit either. So this pins activation recompute under DDP, FSDP2 (the recompute re-entering the sharded layer in
     backward) and context parallelism (torch backend: all-gathered attention) without runs of its own. Should the
-    restart's first step differ, the same restart without recompute tells which of the two broke."""
+    restart's first step differ, the same restart without recompute tells which of the two broke.
+
+    The DDP restart reads its data without the worker process the first run had: a loader state loads only into a
+    loader with as many workers, so the position comes from the batch sampler (checkpoint.py), and must be exact."""
     half = steps // 2
     common = [*CONVERGE, "logger.log_every=1", f"num_train_steps={steps}", f"checkpoint.save_every={half}", *extra]
     full = train(script, tmp_path / "full", *common, nproc=2)
-    resumed = restart_with_recompute(script, tmp_path / "full", half, tmp_path / "restarted", *common)
+    other_workers = ["dataset.num_workers=0"] if script == "train_ddp.py" else []
+    resumed = restart_with_recompute(script, tmp_path / "full", half, tmp_path / "restarted", *common, *other_workers)
 
     if steps == 80:
         assert_converged(full, steps=80)
