@@ -5,9 +5,10 @@
 
 ``--model`` is any export of this recipe (``final_model``, ``best_model``) or of ``models/vit``. Images are prepared
 the way validation prepared them during training (image_transforms.py: resize the shorter side, central crop,
-normalise with the mean and std the export's ``preprocessor_config.json`` records). Every image file below
-``--images`` is read (sorted; hidden files skipped). A file that is not an image, or that fails to decode, is skipped
-and counted, and the log names up to five of them; the run goes on.
+normalise with the mean and std the export's ``preprocessor_config.json`` records; for this recipe's exports that file
+describes the same steps, so ``AutoImageProcessor`` prepares images alike: model_setup.image_processor). Every image
+file below ``--images`` is read (sorted; hidden files skipped). A file that is not an image, or that fails to decode,
+is skipped and counted, and the log names up to five of them; the run goes on.
 
 CSV columns: ``path`` (as found below ``--images``), then for rank ``k`` = 1..top-k: ``label_k`` (the class name the
 model was trained with), ``class_id_k`` and ``probability_k`` (softmax).

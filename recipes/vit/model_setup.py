@@ -18,6 +18,9 @@ log says so.
   It shards the model and its optimizer together, so for this strategy the optimizer is built here too. With
   ``mfsdp.tp > 1`` each TE layer is split over the ``tp`` ranks (tensor parallelism) and Megatron-FSDP shards those
   shares further over ``dp_shard``.
+
+Every strategy's AdamW gets the parameter groups of ``weight_decay.weight_decay_groups`` (no decay on biases, LayerNorm
+weights, the class token and the position embeddings).
 """
 
 import contextlib
@@ -28,6 +31,7 @@ import torch
 from adamw import build_adamw, megatron_fsdp_init_step_left_out
 from convert import convert_vit_hf_to_te, nv_config_from_hf
 from distributed import Meshes, data_parallel_wrapper
+from image_transforms import EVAL_CROP_FRACTION
 from mixed_precision import (
     computes_in_bf16,
     keeps_fp32_master_weights,
@@ -48,9 +52,11 @@ from recipe_paths import looks_like_hub_id, model_directory, recipe_path
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 from torch.distributed.fsdp import fully_shard
 from torch.nn.parallel import DistributedDataParallel
-from transformers import PretrainedConfig, ViTConfig, ViTForImageClassification, ViTImageProcessor
+from transformers import BitImageProcessorPil, PretrainedConfig, ViTConfig, ViTForImageClassification
+from transformers.image_utils import PILImageResampling
 from user_errors import ConfigError, UnsupportedHardwareError
 from weight_conversion import load_state_dict_exactly
+from weight_decay import no_weight_decay_names, restore_weight_decay_groups, weight_decay_groups
 
 
 logger = logging.getLogger(__name__)
@@ -140,13 +146,29 @@ def tokens_per_image(config: NVViTConfig) -> int:
     return (height // config.patch_size) * (width // config.patch_size) + 1
 
 
-def image_processor(cfg: DictConfig, config: NVViTConfig) -> ViTImageProcessor:
-    """What the export ships as ``preprocessor_config.json``: the model's image size and this run's normalisation."""
-    height, width = config.image_size if isinstance(config.image_size, list | tuple) else (config.image_size,) * 2
-    return ViTImageProcessor(
+def image_processor(cfg: DictConfig, config: NVViTConfig) -> BitImageProcessorPil:
+    """What the export ships as ``preprocessor_config.json``: the evaluation transform that validation (which picks
+    ``best_model``) and ``infer.py`` use (image_transforms.py), for Hugging Face's image processors: RGB, the shorter
+    side resized to ``round(S / EVAL_CROP_FRACTION)`` (bilinear), the central S x S, scaled to [0, 1], normalised with
+    this run's ``dataset.mean`` / ``dataset.std``. A ``ViTImageProcessor`` would resize straight to S x S instead,
+    squashing every image that is not square.
+
+    Saved as a ``BitImageProcessor`` (the class whose steps these are), which ``AutoImageProcessor.from_pretrained``
+    loads; this is its Pillow implementation, which needs no torchvision. Two small differences remain: it resizes
+    8-bit pixels where the recipe resizes float32 ones (about one grey level apart), and its central crop rounds half
+    an odd margin down where torchvision's and the recipe's round half to even, so for a margin of 4k + 3 pixels (the
+    resized image that much longer than S along one side) the two crops lie one pixel apart along that side.
+    """
+    side = config.image_size[0] if isinstance(config.image_size, list | tuple) else config.image_size
+    return BitImageProcessorPil(
+        do_convert_rgb=True,
         do_resize=True,
-        size={"height": height, "width": width},
+        size={"shortest_edge": round(side / EVAL_CROP_FRACTION)},
+        resample=PILImageResampling.BILINEAR,
+        do_center_crop=True,
+        crop_size={"height": side, "width": side},
         do_rescale=True,
+        rescale_factor=1 / 255,
         do_normalize=True,
         image_mean=list(cfg.dataset.mean),
         image_std=list(cfg.dataset.std),
@@ -349,10 +371,13 @@ def _build_megatron_fsdp(cfg, device, meshes, config, plan, pretrained) -> Built
         model.to(torch.bfloat16)
     _log_model(model)
 
-    # Each transformer layer is one FSDP unit; the optimizer's parameter groups are rebuilt over the shards. The
-    # optimizer is the other entrypoints' (adamw.py): CompensatedAdamW, over fp32 main weights (plain AdamW in its
-    # float32 kernel) or over bf16 weights (mixed_precision.fp32_master_weights=false), which then get bf16 gradients.
-    optimizer = build_adamw(model.parameters(), cfg, device)
+    # Each transformer layer is one FSDP unit; the optimizer's parameters are replaced by the shards. The optimizer is
+    # the other entrypoints' (adamw.py): CompensatedAdamW, over fp32 main weights (plain AdamW in its float32 kernel)
+    # or over bf16 weights (mixed_precision.fp32_master_weights=false), which then get bf16 gradients. Its weight
+    # decay groups are told apart on the model as it is here (whole tensors), and rebuilt by name after sharding.
+    weight_decay = cfg.adamw_kwargs.weight_decay
+    no_decay = no_weight_decay_names(model)
+    optimizer = build_adamw(weight_decay_groups(model, weight_decay), cfg, device)
     main_params_dtype, main_grads_dtype = megatron_fsdp_precision(cfg.mixed_precision, device)
     policy = megatron_fsdp.MixedPrecisionPolicy(main_params_dtype=main_params_dtype, main_grads_dtype=main_grads_dtype)
     hsdp = mesh["dp_replicate"].size() > 1
@@ -370,6 +395,7 @@ def _build_megatron_fsdp(cfg, device, meshes, config, plan, pretrained) -> Built
             mixed_precision_policy=policy,
             device=device,
         )
+    restore_weight_decay_groups(optimizer, model.module, no_decay, weight_decay)  # fully_shard left one group
     if not tensor_parallel:
         # Fine-tuning (init_from_pretrained): after sharding, into the main weights (fp32, or the bf16 weights); loaded
         # before, fp32 main weights would reach them only through the bf16 compute weights above, rounded.

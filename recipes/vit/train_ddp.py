@@ -28,6 +28,7 @@ from perf_logger import PerfLogger, Profiler, quiet_progress_bars_off_a_terminal
 from recipe_paths import config_name
 from scheduler import get_linear_schedule_with_warmup
 from user_errors import check_config, report_user_errors
+from weight_decay import weight_decay_groups
 
 
 logger = logging.getLogger(__name__)
@@ -57,14 +58,17 @@ def main(cfg: DictConfig) -> None:
     built = build_model(cfg, device, meshes=None, strategy="ddp", class_names=class_names)
     model = built.model
     use_bf16 = computes_in_bf16(cfg.mixed_precision, device)
-    optimizer = build_adamw(model.parameters(), cfg, device)  # CompensatedAdamW on CUDA (adamw.py)
+    # AdamW (CompensatedAdamW on CUDA, adamw.py); no weight decay on biases, LayerNorm weights, class token and
+    # position embeddings (weight_decay.py).
+    optimizer = build_adamw(weight_decay_groups(model, cfg.adamw_kwargs.weight_decay), cfg, device)
     scheduler = get_linear_schedule_with_warmup(optimizer, **cfg.lr_scheduler_kwargs)
 
     # Resume from the newest complete checkpoint (model, optimizer, schedule, data position, RNG).
     checkpointer = Checkpointer(cfg.checkpoint.ckpt_dir, "ddp", max_checkpoints=cfg.checkpoint.max_checkpoints)
-    start_step = 0
     if cfg.checkpoint.resume:
         start_step = checkpointer.load_latest(model, optimizer, scheduler, train_loader, map_location=device)
+    else:
+        start_step = checkpointer.start_afresh()  # refuses an earlier run's checkpoints
     with torch.random.fork_rng(devices=[]):  # making the iterator draws from the RNG; keep resumed runs identical
         batches = iter(train_loader)
 

@@ -82,7 +82,10 @@ def main(cfg: DictConfig) -> None:
         async_save=cfg.checkpoint.async_save,
         max_checkpoints=cfg.checkpoint.max_checkpoints,
     )
-    start_step = checkpointer.load_latest(model, optimizer, scheduler, train_loader) if cfg.checkpoint.resume else 0
+    if cfg.checkpoint.resume:
+        start_step = checkpointer.load_latest(model, optimizer, scheduler, train_loader)
+    else:
+        start_step = checkpointer.start_afresh()  # refuses an earlier run's checkpoints
     with torch.random.fork_rng(devices=[]):  # making the iterator draws from the RNG; keep resumed runs identical
         batches = iter(train_loader)
 

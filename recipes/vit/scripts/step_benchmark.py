@@ -30,6 +30,7 @@ from grad_clipping import clip_grad_norm_and_step  # noqa: E402
 from hydra import compose, initialize_config_dir  # noqa: E402
 from mixed_precision import computes_in_bf16  # noqa: E402
 from model_setup import build_model, mfsdp_mesh, model_image_size  # noqa: E402
+from weight_decay import weight_decay_groups  # noqa: E402
 
 
 def parse_args(argv=None) -> argparse.Namespace:
@@ -63,7 +64,8 @@ def main(argv=None) -> dict:
     if built.optimizer is not None:
         optimizer = built.optimizer
     else:
-        optimizer = build_adamw(built.model.parameters(), cfg, device)  # as train_ddp.py builds it
+        # as train_ddp.py builds it
+        optimizer = build_adamw(weight_decay_groups(built.model, cfg.adamw_kwargs.weight_decay), cfg, device)
     autocast = args.strategy == "ddp" and computes_in_bf16(cfg.mixed_precision, device)  # as train_ddp.py does
 
     batch_size = args.micro_batch or cfg.dataset.micro_batch_size

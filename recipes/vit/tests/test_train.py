@@ -88,7 +88,34 @@ def test_l0_sanity_learns_the_patterns_and_exports_the_best_model(tmp_path, imag
     assert summary["tokens_per_image"] == 65  # 8 x 8 patches of 4 pixels, and the class token
     assert summary["median_images_per_second_per_gpu"] == summary["median_tokens_per_second_per_gpu"] / 65 > 0
     processor = json.loads((out / "final_model" / "preprocessor_config.json").read_text())
-    assert processor["size"] == {"height": 32, "width": 32} and processor["image_mean"] == [0.5, 0.5, 0.5]
+    assert processor["image_processor_type"] == "BitImageProcessor" and processor["image_mean"] == [0.5, 0.5, 0.5]
+    assert processor["size"] == {"shortest_edge": 37} and processor["crop_size"] == {"height": 32, "width": 32}
+    assert_processor_predicts_as_validation(out / "best_model", images)
+
+
+def assert_processor_predicts_as_validation(export: Path, images: Path) -> None:
+    """The export's own image processor, loaded as a user loads it (``AutoImageProcessor``), gives the model the
+    pixels the evaluation transform gave it in validation, and so the same predictions, on 25 images of each class:
+    all of them but near ties (top two probabilities within 0.05), which a grey level can tip. (The processor exported
+    before resized the whole image to 32 x 32, no central crop: in an audit of a 150-step run 12 of 100 validation
+    predictions differed.)"""
+    from image_transforms import build_transforms
+    from PIL import Image
+    from test_image_processor import auto_image_processor
+
+    files = [path for folder in sorted(images.iterdir()) for path in sorted(folder.iterdir())[:25]]
+    pictures = [Image.open(path) for path in files]
+    reference = torch.stack([build_transforms(32, train=False)(picture) for picture in pictures])
+    exported = auto_image_processor(export)(pictures, return_tensors="pt")["pixel_values"]
+    assert exported.shape == reference.shape == (100, 3, 32, 32)
+    assert (exported - reference).abs().max() <= 1.5 / 255 / 0.5  # 8-bit resizing: within 1.5 grey levels (std 0.5)
+    model = load_export(export)
+    with torch.no_grad():
+        probabilities, predicted = model(reference).logits.softmax(-1), model(exported).logits.argmax(-1)
+    top_two = probabilities.topk(2, dim=-1).values
+    clear = top_two[:, 0] - top_two[:, 1] > 0.05
+    assert clear.sum() >= 90, "the model should be sure of most images"
+    assert torch.equal(predicted[clear], probabilities.argmax(-1)[clear])
 
 
 def test_fsdp2_on_two_processes_learns_and_exports(tmp_path, images):

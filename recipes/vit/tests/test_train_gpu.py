@@ -16,6 +16,7 @@ from convert import convert_vit_hf_to_te
 from launch import run_script
 from test_finetune import NO_LEARNING, assert_export_holds, finetune
 from test_train import assert_export_holds_the_checkpoint, load_export, read_jsonl
+from test_weight_decay import assert_strategy_decays_only_the_weight_matrices, zero_gradient_step
 
 
 needs_megatron_fsdp = pytest.mark.skipif(
@@ -108,6 +109,25 @@ def test_megatron_fsdp_main_weights_start_from_the_float32_initialisation(tmp_pa
     # The test can tell: the weight matrices' random initialisation lies between bf16 values (biases start at 0).
     weights = [value for value in ddp.values() if value.dim() == 2 and value.numel() > 1000]
     assert all(not torch.equal(value, value.bfloat16().float()) for value in weights)
+
+
+@pytest.mark.requires_te
+@pytest.mark.parametrize(
+    ("strategy", "overrides", "rtol"),
+    [
+        ("ddp", [], 1e-6),
+        ("fsdp2", [], 1e-6),
+        pytest.param("mfsdp", [], 1e-6, marks=needs_megatron_fsdp),  # its fp32 main weights
+        pytest.param("mfsdp", ["mixed_precision.fp32_master_weights=false"], 1e-2, marks=needs_megatron_fsdp),
+    ],
+    ids=["ddp", "fsdp2", "mfsdp", "mfsdp-bf16-weights"],
+)
+def test_te_layers_decay_only_the_weight_matrices(tmp_path, strategy, overrides, rtol):
+    """One step on zero gradients (tests/zero_gradient_step.py) with TE's layers, whose fused LayerNorm weights are
+    among the undecayed: only the weight matrices shrink, by lr * weight_decay. Megatron-FSDP's fully_shard merges the
+    optimizer's groups into one (every tensor decayed); model_setup splits them again."""
+    result = zero_gradient_step(tmp_path, strategy, TE, *overrides, nproc=1, cpu_only=False)
+    assert_strategy_decays_only_the_weight_matrices(result, rtol)
 
 
 @pytest.mark.requires_te
