@@ -32,15 +32,25 @@ class PerfCallback(TrainerCallback):
 
     The Trainer computes the gradient norm and hands it out only in its logs, after ``on_step_end``; so the logging
     steps (``logger.log_every``, which is also the Trainer's ``logging_steps``) are recorded in ``on_log``.
+
+    The learning rate is the one the optimizer step used: read in ``on_optimizer_step``, after ``optimizer.step()``
+    and before the Trainer steps the scheduler (by ``on_step_end`` the scheduler already holds the next step's rate).
     """
 
     def __init__(self, trainer, perf: PerfLogger, log_every: int, fp8_requested: bool):
         self.trainer, self.perf, self.log_every, self.fp8_requested = trainer, perf, log_every, fp8_requested
         self._pending = None  # (step, loss, lr) of a logging step, until its grad norm arrives
+        self._step_lr = float("nan")  # the rate of the optimizer step in progress
 
-    def on_step_end(self, args, state, control, lr_scheduler=None, **kwargs):
+    def on_optimizer_step(self, args, state, control, optimizer=None, lr_scheduler=None, **kwargs):
+        if lr_scheduler is not None:
+            self._step_lr = lr_scheduler.get_last_lr()[0]
+        elif optimizer is not None:
+            self._step_lr = optimizer.param_groups[0]["lr"]
+
+    def on_step_end(self, args, state, control, **kwargs):
         loss = self.trainer.take_step_loss()
-        lr = lr_scheduler.get_last_lr()[0] if lr_scheduler is not None else float("nan")
+        lr, self._step_lr = self._step_lr, float("nan")
         if state.global_step % self.log_every == 0 or state.global_step == state.max_steps:
             self._pending = (state.global_step, loss, lr)
             control.should_log = True

@@ -13,6 +13,14 @@ save the position of this recipe's dataloader. So, after the Trainer's save (``D
 A resumed run starts from the newest directory with the marker, and its dataloader continues at the batch after the
 last one that checkpoint trained on; on another number of processes, map-style data continues the epoch
 (``restore_data_position``).
+
+One output_dir holds one run. Checkpoints are ranked and pruned by step, so a second run's checkpoints among an
+earlier run's would be pruned as "oldest", outranked on the next resume, or written into the earlier run's
+directories. So a launch that would mix two runs is refused before it trains (``resume_checkpoint``): starting afresh
+(``resume=false``, or ``resume_from`` a checkpoint elsewhere) where complete checkpoints exist, or resuming an older
+checkpoint (``resume_from``) while newer complete ones exist. Incomplete directories (a killed save) never count as a
+run; before the Trainer writes ``checkpoint-<step>`` where such a directory exists, the directory is removed
+(``clear_for_save``), so that a save killed half-way never leaves an old marker or data position beside new files.
 """
 
 import logging
@@ -58,15 +66,56 @@ def find_resume_checkpoint(output_dir: str | Path) -> Path | None:
 def resume_checkpoint(resume: bool, resume_from: str | None, output_dir: str | Path) -> Path | None:
     """The checkpoint a launch continues from, like the Trainer's ``resume_from_checkpoint``: ``resume_from`` (a
     ``checkpoint-<step>`` path, which must exist and be complete) if given, else with ``resume`` the newest complete
-    checkpoint in output_dir (None if there is none yet), else None."""
+    checkpoint in output_dir (None if there is none yet), else None.
+
+    Refuses (:class:`ConfigError`, before anything is written) a launch whose checkpoints would mix with another run's
+    in output_dir: starting afresh while output_dir holds complete checkpoints, or resuming ``resume_from`` while
+    output_dir holds complete checkpoints past its step, or any when ``resume_from`` lies in another directory."""
     if resume_from is None:
-        return find_resume_checkpoint(output_dir) if resume else None
+        if resume:
+            return find_resume_checkpoint(output_dir)
+        what = "would start a new run among the complete checkpoints of an earlier run"
+        _refuse_to_mix("checkpoint.resume=false", what, output_dir, complete_checkpoints(output_dir))
+        return None
     path = Path(resume_from)
     if not path.is_dir() or not _STEP_DIR.match(path.name):
         raise ConfigError(f"checkpoint.resume_from={resume_from}: not a checkpoint-<step> directory")
     if not (path / MARKER).is_file():
         raise ConfigError(f"checkpoint.resume_from={resume_from}: its save did not finish (no {MARKER} marker)")
+    step, setting = checkpoint_step(path), f"checkpoint.resume_from={resume_from}"
+    if path.resolve().parent == Path(output_dir).resolve():
+        what = f"would continue from step {step} and overwrite or prune the complete checkpoints past it"
+        _refuse_to_mix(setting, what, output_dir, [(s, p) for s, p in complete_checkpoints(output_dir) if s > step])
+    else:
+        what = f"would continue from step {step} of a run in another directory among complete checkpoints"
+        _refuse_to_mix(setting, what, output_dir, complete_checkpoints(output_dir))
     return path
+
+
+def _refuse_to_mix(setting: str, what: str, output_dir: str | Path, others: list[tuple[int, Path]]) -> None:
+    """Raise a :class:`ConfigError` (``setting`` ``what``) naming ``others``, the complete checkpoints the launch would
+    mix with, and the ways out; nothing if there are none."""
+    if not others:
+        return
+    names = ", ".join(path.name for _, path in others[-3:])
+    if len(others) > 3:
+        names = f"{len(others)} checkpoints, ..., {names}"
+    raise ConfigError(
+        f"{setting} {what}: output_dir={output_dir} holds {names} (newest: {others[-1][1]}). Resume them "
+        "(checkpoint.resume=true without checkpoint.resume_from continues the newest), start in a new output_dir, or "
+        "delete those checkpoint-<step> directories first"
+    )
+
+
+def clear_for_save(checkpoint: Path) -> None:
+    """Remove what an earlier save left at ``checkpoint`` (a killed save's files, or another run's), before the Trainer
+    writes there: the marker first, so that the directory can never pass for complete, then the rest, so that no old
+    data position or model shard sits beside the new files. Called by one process, before any writes."""
+    if not checkpoint.exists():
+        return
+    logger.warning("Removing %s, left by an earlier save, before saving this step there", checkpoint)
+    (checkpoint / MARKER).unlink(missing_ok=True)
+    shutil.rmtree(checkpoint)
 
 
 def checkpoint_step(checkpoint: Path) -> int:
@@ -105,8 +154,7 @@ def restore_data_position(checkpoint: Path, dataloader, rank: int, world_size: i
     if not hasattr(sampler, "continue_from"):
         raise ConfigError(
             f"{checkpoint} was written by {len(saved)} processes and its streaming data cannot continue on "
-            f"{world_size}: launch with --num_processes {len(saved)}, or start afresh with checkpoint.resume=false "
-            "(or another output_dir)"
+            f"{world_size}: launch with --num_processes {len(saved)}, or start afresh in a new output_dir"
         )
     states = [sampler.position_in(torch.load(data_position_file(checkpoint, r), weights_only=False)) or {}
               for r in range(len(saved))]  # fmt: skip

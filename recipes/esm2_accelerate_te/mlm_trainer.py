@@ -14,13 +14,18 @@ learning-rate schedule, and the masked-LM loss over several micro-batches.
   discarded.
 """
 
+from pathlib import Path
+
 import torch
+import torch.distributed as dist
 import torch.nn.functional as F
 from accelerate.utils import AutocastKwargs
+from checkpoints import clear_for_save
 from fp8_calibration import calibrate_delayed_scaling
 from perf_logger import PerfLogger
 from scheduler import get_linear_schedule_with_warmup
 from transformers import Trainer
+from transformers.trainer_utils import PREFIX_CHECKPOINT_DIR
 
 
 IGNORE_INDEX = -100
@@ -124,6 +129,17 @@ class MaskedLMTrainer(Trainer):
         loss = super().training_step(model, inputs, num_items_in_batch)
         self.step_loss = loss if self.step_loss is None else self.step_loss + loss
         return loss
+
+    def _save_checkpoint(self, model, trial):
+        # The Trainer writes into checkpoint-<step> as it finds it. What an earlier save left there (a killed save,
+        # with another run's marker or data position perhaps) goes first, so a save killed half-way never leaves an
+        # old COMPLETE marker on new files (checkpoints.py).
+        checkpoint = Path(self._get_output_dir(trial=trial)) / f"{PREFIX_CHECKPOINT_DIR}-{self.state.global_step}"
+        if self.args.process_index == 0:
+            clear_for_save(checkpoint)
+        if dist.is_available() and dist.is_initialized():
+            dist.barrier()  # no process writes its part before the directory is clear
+        return super()._save_checkpoint(model, trial)
 
     def _load_optimizer_and_scheduler(self, checkpoint):
         # A multi-process CPU run's device is "cpu:<rank>" (accelerate), which transformers passes to torch.load as

@@ -6,7 +6,8 @@
 
 The accelerate config file decides processes, DDP or FSDP2, and precision (bf16 or FP8); the Hydra config (every key
 in hydra_config/defaults.yaml) decides model, data, optimizer, checkpoints. Reads top to bottom: launch settings,
-Trainer arguments (they start torch.distributed), model, data, Trainer with callbacks, resume, train, export.
+Trainer arguments (they start torch.distributed), the checkpoint to resume (checkpoints.py; a launch that would mix two
+runs in output_dir stops there), model, data, Trainer with callbacks, data position, train, export.
 """
 
 import logging
@@ -55,6 +56,8 @@ def main(cfg: DictConfig) -> None:
         logging.getLogger().setLevel(logging.WARNING)
     logger.info("Launch: %s on %d process(es), %s", launch.describe(), args.world_size, args.device)
     logger.info("Config:\n%s", OmegaConf.to_yaml(cfg))
+    # Before anything is built or written: a launch that would mix its checkpoints with another run's stops here.
+    resume_from = resume_checkpoint(cfg.checkpoint.resume, cfg.checkpoint.resume_from, cfg.output_dir)
     set_seed(cfg.seed)  # the same random init on every process
 
     tokenizer = load_tokenizer(cfg)  # the model family's, with tokenizer_path: auto
@@ -74,7 +77,6 @@ def main(cfg: DictConfig) -> None:
         data_cfg, tokenizer, dp_rank=args.process_index, dp_world_size=args.world_size, seed=cfg.seed
     )
 
-    resume_from = resume_checkpoint(cfg.checkpoint.resume, cfg.checkpoint.resume_from, cfg.output_dir)
     start_step = 0
     if resume_from is not None:
         restore_data_position(resume_from, dataloader, args.process_index, args.world_size)

@@ -12,6 +12,7 @@ import torch.nn.functional as F
 from checkpoints import (
     MARKER,
     checkpoint_step,
+    clear_for_save,
     find_resume_checkpoint,
     mark_complete,
     prune_checkpoints,
@@ -79,15 +80,65 @@ def test_resume_skips_a_checkpoint_whose_save_did_not_finish(tmp_path, caplog):
 
 def test_resume_from_names_one_checkpoint_which_must_be_complete(tmp_path):
     older = _checkpoint(tmp_path, 10)
+    assert resume_checkpoint(True, str(older), tmp_path) == older and checkpoint_step(older) == 10
     _checkpoint(tmp_path, 20)
     assert resume_checkpoint(True, None, tmp_path) == tmp_path / "checkpoint-20"
-    assert resume_checkpoint(False, None, tmp_path) is None
-    assert resume_checkpoint(True, str(older), tmp_path) == older and checkpoint_step(older) == 10
+    assert resume_checkpoint(True, str(tmp_path / "checkpoint-20"), tmp_path) == tmp_path / "checkpoint-20"
     unfinished = _checkpoint(tmp_path, 30, complete=False)
     with pytest.raises(ConfigError, match="did not finish"):
         resume_checkpoint(True, str(unfinished), tmp_path)
     with pytest.raises(ConfigError, match="not a checkpoint-<step> directory"):
         resume_checkpoint(True, str(tmp_path / "checkpoint-99"), tmp_path)
+
+
+def test_starting_afresh_over_an_earlier_runs_checkpoints_is_refused(tmp_path):
+    """checkpoint.resume=false where complete checkpoints exist would rank, prune and overwrite them together with the
+    new run's: refused, naming the directory, the newest checkpoint and the ways out. Nothing, or only incomplete
+    directories (a killed save: never resumed), is no earlier run."""
+    assert resume_checkpoint(False, None, tmp_path / "missing") is None
+    _checkpoint(tmp_path, 8, complete=False)
+    assert resume_checkpoint(False, None, tmp_path) is None
+    for step in (2, 4, 6):
+        _checkpoint(tmp_path, step)
+    with pytest.raises(ConfigError) as refused:
+        resume_checkpoint(False, None, tmp_path)
+    message = str(refused.value)
+    assert "checkpoint.resume=false" in message and f"output_dir={tmp_path} " in message, message
+    assert str(tmp_path / "checkpoint-6") in message and "checkpoint-8" not in message, message
+    for way_out in ("checkpoint.resume=true", "new output_dir", "delete"):
+        assert way_out in message, message
+    assert sorted(p.name for p in tmp_path.iterdir()) == [f"checkpoint-{s}" for s in (2, 4, 6, 8)]  # nothing touched
+
+
+def test_resume_from_an_older_checkpoint_while_newer_complete_ones_exist_is_refused(tmp_path):
+    """Continuing checkpoint-4 while checkpoint-6 and -8 are complete would overwrite them (or prune them as the newest
+    few), and a later plain resume would take the old run's -8: refused, naming them. A newer incomplete directory
+    is no reason."""
+    older = _checkpoint(tmp_path, 4)
+    _checkpoint(tmp_path, 6, complete=False)
+    assert resume_checkpoint(True, str(older), tmp_path) == older
+    _checkpoint(tmp_path, 8)
+    with pytest.raises(ConfigError) as refused:
+        resume_checkpoint(True, str(older), tmp_path)
+    message = str(refused.value)
+    assert f"checkpoint.resume_from={older}" in message and "checkpoint-8" in message, message
+    assert "holds checkpoint-8 (" in message and "new output_dir" in message, message  # the newer ones only
+    # From another directory's checkpoint, output_dir must hold no complete checkpoint at all.
+    elsewhere = _checkpoint(tmp_path / "other_run", 10)
+    with pytest.raises(ConfigError, match="checkpoint-8"):
+        resume_checkpoint(True, str(elsewhere), tmp_path)
+    assert resume_checkpoint(True, str(elsewhere), tmp_path / "new_dir") == elsewhere
+
+
+def test_a_save_into_a_leftover_directory_clears_it_first(tmp_path):
+    """Before the Trainer writes checkpoint-<step> where an earlier save left a directory, its marker and data
+    positions go, so a save killed half-way cannot look complete or hold another run's positions."""
+    leftover = _checkpoint(tmp_path, 4)
+    save_data_position(leftover, 1, {"old": True})
+    (leftover / "optimizer.pt").write_bytes(b"old")
+    clear_for_save(leftover)
+    assert not leftover.exists() and not find_resume_checkpoint(tmp_path)
+    clear_for_save(tmp_path / "checkpoint-6")  # nothing there: nothing to do
 
 
 def test_pruning_keeps_the_newest_complete_checkpoints(tmp_path):

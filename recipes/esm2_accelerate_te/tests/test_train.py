@@ -76,6 +76,71 @@ def test_resume_is_exact(tmp_path):
         assert resumed_norm == pytest.approx(norm, rel=1e-5), step
 
 
+def test_metrics_log_the_learning_rate_each_step_trained_with(tmp_path):
+    """The Trainer steps the scheduler before ``on_step_end``; the logged rate is still the one the optimizer step
+    used: 4 warm-up steps to 2e-3 train with 2e-3 * k / 4 at step k (scheduler.py), not one step ahead."""
+    accelerate_launch(
+        "cpu.yaml", f"output_dir={tmp_path}", TINY_ESM2, *FAST, "num_train_steps=4", "logger.log_every=1",
+        "adamw_kwargs.lr=2e-3", "lr_scheduler_kwargs.num_warmup_steps=4", "export_final_model=false",
+        "checkpoint.save_final=false",
+    )  # fmt: skip
+    assert [m["lr"] for m in read_metrics(tmp_path)] == pytest.approx([5e-4, 1e-3, 1.5e-3, 2e-3], rel=1e-6)
+
+
+def _refusal(result) -> str:
+    """The one ``error:`` line a refused launch printed."""
+    errors = [line for line in result.stderr.splitlines() + result.stdout.splitlines() if line.startswith("error: ")]
+    assert len(errors) == 1, result.stderr[-3000:]
+    return errors[0]
+
+
+def test_a_launch_that_would_mix_two_runs_in_output_dir_is_refused(tmp_path):
+    """An earlier run left complete checkpoint-4 and -6. Starting afresh there (checkpoint.resume=false) would have
+    its checkpoints pruned as "oldest", outranked by the old -6 on the next resume, or written into the old run's
+    directories; resuming the older -4 would overwrite and prune -6. Both stop before training with one line naming
+    the directory and checkpoints, and leave every file of the earlier run as it was; a plain relaunch continues it."""
+    common = [TINY_ESM2, *FAST, "checkpoint.save_every=2", "checkpoint.max_checkpoints=2", "logger.log_every=1"]
+    common += ["export_final_model=false"]
+    accelerate_launch("cpu.yaml", f"output_dir={tmp_path}", *common, "num_train_steps=6")
+    before = {p: p.stat().st_mtime_ns for p in tmp_path.rglob("*") if p.is_file()}
+    assert {p.name for p in tmp_path.glob("checkpoint-*")} == {"checkpoint-4", "checkpoint-6"}
+
+    afresh = accelerate_launch(
+        "cpu.yaml", f"output_dir={tmp_path}", *common, "num_train_steps=4", "checkpoint.resume=false",
+        "adamw_kwargs.lr=1e-4", expect_failure=True,
+    )  # fmt: skip
+    message = _refusal(afresh)
+    assert "checkpoint.resume=false" in message and str(tmp_path / "checkpoint-6") in message, message
+    older = accelerate_launch(
+        "cpu.yaml", f"output_dir={tmp_path}", *common, "num_train_steps=8",
+        f"checkpoint.resume_from={tmp_path / 'checkpoint-4'}", expect_failure=True,
+    )  # fmt: skip
+    message = _refusal(older)
+    assert "checkpoint.resume_from=" in message and "holds checkpoint-6 (" in message, message
+    assert {p: p.stat().st_mtime_ns for p in tmp_path.rglob("*") if p.is_file()} == before
+
+    result = accelerate_launch("cpu.yaml", f"output_dir={tmp_path}", *common, "num_train_steps=8")
+    assert f"Resuming from {tmp_path / 'checkpoint-6'}" in result.stdout + result.stderr
+    assert [m["step"] for m in read_metrics(tmp_path)] == list(range(1, 9))
+
+
+def test_a_save_replaces_what_a_killed_save_left_in_its_directory(tmp_path):
+    """An incomplete checkpoint-2 of an earlier 2-process launch (no marker, its data positions, a stray file) is no
+    run to refuse; this run's save of step 2 replaces it whole: exactly this launch's data position beside the
+    marker, nothing of the old save."""
+    leftover = tmp_path / "checkpoint-2"
+    (leftover / "data_position").mkdir(parents=True)
+    for rank in (0, 1):
+        torch.save({"old": rank}, leftover / "data_position" / f"rank{rank}.pt")
+    (leftover / "stray_from_the_old_save.bin").write_bytes(b"old")
+    accelerate_launch(
+        "cpu.yaml", f"output_dir={tmp_path}", TINY_ESM2, *FAST, "num_train_steps=2", "export_final_model=false"
+    )
+    assert (leftover / "COMPLETE").is_file() and not (leftover / "stray_from_the_old_save.bin").exists()
+    assert sorted(p.name for p in (leftover / "data_position").iterdir()) == ["rank0.pt"]
+    assert "old" not in torch.load(leftover / "data_position" / "rank0.pt", weights_only=False)
+
+
 def test_resume_on_one_process_continues_a_two_process_run(tmp_path):
     """Stopped after step 6 on 2 processes and relaunched on 1: the Trainer restores weights, optimizer and schedule,
     and the data goes on with the rows of the epoch that neither process had read (``restore_data_position``)."""
