@@ -19,6 +19,7 @@ import contextlib
 import io
 import logging
 import os
+import re
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -26,12 +27,14 @@ from typing import Any
 import torch
 from lightning.pytorch.callbacks import ModelCheckpoint
 from lightning.pytorch.plugins.io import TorchCheckpointIO
+from user_errors import ConfigError
 
 
 logger = logging.getLogger(__name__)
 
 PARTIAL_SUFFIX = ".partial"
 LAST = "last.ckpt"
+_STEP_FILE = re.compile(r"step_(\d+)\.ckpt")  # RecipeModelCheckpoint's filename="step_{step}"
 
 
 def partial_path(path: str | os.PathLike) -> Path:
@@ -101,19 +104,49 @@ def extra_state_kept_when_absent(module: torch.nn.Module) -> Iterator[None]:
             del sub.set_extra_state
 
 
+def complete_checkpoints(ckpt_dir: str | os.PathLike) -> list[Path]:
+    """This recipe's complete checkpoints in ``ckpt_dir``, newest first: ``last.ckpt``, then the ``step_<N>.ckpt``
+    files by step. (A killed save leaves only a ``.<name>.partial``, never one of these: :class:`AtomicCheckpointIO`.)"""
+    ckpt_dir = Path(ckpt_dir)
+    if not ckpt_dir.is_dir():
+        return []
+    steps = [(int(m.group(1)), p) for p in ckpt_dir.iterdir() if (m := _STEP_FILE.fullmatch(p.name)) and p.is_file()]
+    last = [ckpt_dir / LAST] if (ckpt_dir / LAST).is_file() else []
+    return last + [path for _, path in sorted(steps, reverse=True)]
+
+
 def resume_checkpoint(ckpt_dir: str | os.PathLike, resume: bool) -> str | None:
-    """``<ckpt_dir>/last.ckpt`` when ``resume`` and it exists (what ``ckpt_path="last"`` finds), else None.
+    """With ``resume``, the newest complete checkpoint in ``ckpt_dir``: ``last.ckpt`` (what ``ckpt_path="last"`` finds)
+    or, without one (a job killed between its first ``step_<N>.ckpt`` and ``last.ckpt``), the newest step file; None
+    if there is none.
 
     Only complete files ever carry a ``.ckpt`` name (:class:`AtomicCheckpointIO`); leftovers of a killed save are named.
     The path is given explicitly, so that a resumed run needs no ``ModelCheckpoint`` of its own to find it.
+
+    One ckpt_dir holds one run: without ``resume``, a ckpt_dir that holds complete checkpoints (an earlier run's) is
+    refused with a :class:`ConfigError`, before anything is built or written. Otherwise the earlier run's
+    ``last.ckpt`` would stay until this run's first save, and a crash before it followed by a plain relaunch would
+    continue the earlier run.
     """
     ckpt_dir = Path(ckpt_dir)
     for leftover in sorted(ckpt_dir.glob(f".*{PARTIAL_SUFFIX}")):
         logger.warning("Ignoring %s: a save that did not finish (the next save of that name replaces it)", leftover)
-    if resume and (ckpt_dir / LAST).is_file():
-        logger.info("Resuming from %s", ckpt_dir / LAST)
-        return str(ckpt_dir / LAST)
-    return None
+    complete = complete_checkpoints(ckpt_dir)
+    if complete and not resume:
+        more = f" and {len(complete) - 4} more" if len(complete) > 4 else ""
+        names = ", ".join(p.name for p in complete[:4]) + more
+        raise ConfigError(
+            f"checkpoint.resume=false would start a new run, but checkpoint.ckpt_dir={ckpt_dir} holds complete "
+            f"checkpoints of an earlier run ({names}; newest: {complete[0]}), which would mix with this run's: resume "
+            "them (checkpoint.resume=true), start in a new output_dir (or checkpoint.ckpt_dir), or delete those .ckpt "
+            "files first"
+        )
+    if not complete:
+        return None
+    if complete[0].name != LAST:
+        logger.warning("No %s in %s (a save killed before writing it): the newest step file is used", LAST, ckpt_dir)
+    logger.info("Resuming from %s", complete[0])
+    return str(complete[0])
 
 
 class RecipeModelCheckpoint(ModelCheckpoint):

@@ -159,7 +159,7 @@ class EncodonModule(L.LightningModule):
             missing, extra = sorted(expected - saved), sorted(saved - expected)
             raise ConfigError(
                 f"the checkpoint holds another model (missing {missing[:3]}, unexpected {extra[:3]}): resume with the "
-                "model_tag and model_config_overrides that wrote it, or start afresh (checkpoint.resume=false)"
+                "model_tag and model_config_overrides that wrote it, or start afresh in a new output_dir"
             )
 
 

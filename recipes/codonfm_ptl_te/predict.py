@@ -7,7 +7,8 @@
 
 ``model_path`` is an export of this recipe (``final_model/``) or a Lightning checkpoint (``.ckpt``) of pre-training.
 Writes ``<output_dir>/predictions.parquet`` (``index``, ``id``, ``num_codons``, ``pll``, ``mean_log_likelihood``) and
-``<output_dir>/embeddings.npy`` (prediction.py says how each is computed). Every key is in hydra_config/predict.yaml.
+``<output_dir>/embeddings.npy`` (prediction.py says how each is computed; ``num_codons`` and the PLL count real codons
+only, never an ``<UNK>``). Every key is in hydra_config/predict.yaml.
 """
 
 import logging

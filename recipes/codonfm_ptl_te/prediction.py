@@ -6,6 +6,10 @@
   also given per codon (``mean_log_likelihood`` = PLL / codons). A sequence of L codons costs L forward passes over
   L + 2 tokens; the masked copies of a batch's sequences are packed (THD) into forward passes of at most
   ``pll_token_budget`` tokens, and the MLM head runs only on the masked position of each copy.
+- **Codons** are the real codons only: an ``<UNK>`` (an invalid or partial codon kept by
+  ``invalid_codon_policy=unk``) stays in every copy as context but is neither masked nor scored, and ``num_codons``
+  does not count it. Training never predicts ``<UNK>`` (the masker leaves special tokens out), so its probability
+  means nothing. A sequence without a real codon gets PLL 0 and ``mean_log_likelihood`` NaN.
 
 :class:`PredictionWriter` writes each rank's rows as they come (``predictions.rank<r>.parquet``); at the end rank 0
 merges them, in input order, into ``predictions.parquet`` (``index``, ``id``, ``num_codons``, ``pll``,
@@ -23,7 +27,7 @@ import torch
 from lightning.pytorch.callbacks import BasePredictionWriter
 from modeling_codonfm_te import NVEncodonForMaskedLM, sequence_means
 from packing import IGNORE_INDEX
-from sequences import MASK_ID
+from sequences import MASK_ID, UNK_ID
 
 
 logger = logging.getLogger(__name__)
@@ -42,10 +46,11 @@ class EncodonPredictModule(L.LightningModule):
         packed = self.model.encodon.pack(input_ids, attention_mask)
         hidden, _ = self.model.encodon.forward_packed(packed)
         lengths = attention_mask.sum(dim=1)
+        unknown = ((input_ids == UNK_ID) & attention_mask.bool()).sum(dim=1)
         result = {
             "index": batch["sample_index"].cpu(),
             "id": list(batch["names"]),
-            "num_codons": (lengths - 2).cpu(),  # <CLS> and <SEP> are not codons
+            "num_codons": (lengths - 2 - unknown).cpu(),  # <CLS>, <SEP> and <UNK> are not codons
             "embedding": sequence_means(hidden, packed).float().cpu(),
         }
         if self.pll:
@@ -53,12 +58,13 @@ class EncodonPredictModule(L.LightningModule):
         return result
 
     def pseudo_log_likelihoods(self, input_ids: torch.Tensor, lengths: torch.Tensor) -> torch.Tensor:
-        """[B] float64: for each row, the sum over its codons of log p(codon | every other token), that codon masked."""
+        """[B] float64: for each row, the sum over its codons of log p(codon | every other token), that codon masked.
+        ``<UNK>`` positions are context only: never masked, never scored (module docstring)."""
         copies = []  # (row, one masked copy of the row's tokens, the masked position)
         for row, length in enumerate(lengths.tolist()):
             tokens = input_ids[row, :length]
-            for position in range(1, length - 1):  # the codons, between <CLS> and <SEP>
-                copies.append((row, tokens, position))
+            known = (tokens[1 : length - 1] != UNK_ID).nonzero().squeeze(1) + 1  # the codons, between <CLS> and <SEP>
+            copies.extend((row, tokens, position) for position in known.tolist())
         totals = torch.zeros(len(lengths), dtype=torch.float64, device=input_ids.device)
         start = 0
         while start < len(copies):
@@ -119,7 +125,8 @@ class PredictionWriter(BasePredictionWriter):
         if "pll" in prediction:
             pll = prediction["pll"].numpy()
             columns["pll"] = pa.array(pll)
-            columns["mean_log_likelihood"] = pa.array(pll / np.maximum(prediction["num_codons"].numpy(), 1))
+            codons = prediction["num_codons"].numpy()
+            columns["mean_log_likelihood"] = pa.array(np.where(codons > 0, pll / np.maximum(codons, 1), np.nan))
         embedding = prediction["embedding"].numpy()
         columns["embedding"] = pa.FixedSizeListArray.from_arrays(pa.array(embedding.reshape(-1)), embedding.shape[1])
         table = pa.table(columns)

@@ -9,7 +9,8 @@ Lightning and TransformerEngine.
 
 Reads top to bottom: the LightningModule (model config and FP8 plan; the model itself is built in its
 ``configure_model``), the LightningDataModule, the Trainer (strategy, precision, checkpoint IO, callbacks:
-trainer_setup.py), then ``fit``, resuming from ``last.ckpt`` when the output directory has one. The export to
+trainer_setup.py), then ``fit``, resuming from ``last.ckpt`` when the output directory has one (a launch that would
+start afresh among an earlier run's checkpoints is refused first: checkpoint_io.resume_checkpoint). The export to
 ``<output_dir>/final_model`` happens in a callback at the end of training. Every key is documented in
 hydra_config/defaults.yaml.
 """
@@ -40,6 +41,9 @@ def main(cfg: DictConfig) -> None:
     if int(os.environ.get("RANK", "0")) != 0:
         logging.getLogger().setLevel(logging.WARNING)
     logger.info("Config:\n%s", OmegaConf.to_yaml(cfg))
+    # A relaunch continues from the newest complete checkpoint: weights, optimizer, schedule, step, data position. A
+    # launch that would start afresh among an earlier run's checkpoints stops here, before anything is built.
+    ckpt_path = resume_checkpoint(cfg.checkpoint.ckpt_dir, cfg.checkpoint.resume)
     L.seed_everything(cfg.seed, workers=True, verbose=False)  # the same initial weights on every rank
 
     # The model's config, FP8 plan and (fine-tuning) starting weights; the model is built in configure_model, once
@@ -49,8 +53,7 @@ def main(cfg: DictConfig) -> None:
     trainer = build_trainer(cfg, config_name())
     module.check_hardware(trainer.strategy.root_device)
 
-    # A relaunch continues from the newest complete checkpoint: weights, optimizer, schedule, step, data position.
-    trainer.fit(module, datamodule=data, ckpt_path=resume_checkpoint(cfg.checkpoint.ckpt_dir, cfg.checkpoint.resume))
+    trainer.fit(module, datamodule=data, ckpt_path=ckpt_path)
     end_run()  # multi-process CPU runs leave before the interpreter's teardown (trainer_setup.end_run)
 
 

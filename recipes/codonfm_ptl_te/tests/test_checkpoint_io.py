@@ -17,6 +17,7 @@ from checkpoint_io import (
 from torch.distributed.checkpoint.state_dict import StateDictOptions, set_model_state_dict
 from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.fsdp import fully_shard
+from user_errors import ConfigError
 
 
 class Unpicklable:
@@ -43,9 +44,39 @@ def test_resume_picks_last_ckpt_and_never_a_partial_file(tmp_path):
     assert resume_checkpoint(tmp_path / "missing", resume=True) is None
     tmp_path.joinpath(".last.ckpt.partial").write_bytes(b"torn")
     assert resume_checkpoint(tmp_path, resume=True) is None  # a leftover alone is no checkpoint
+    assert resume_checkpoint(tmp_path, resume=False) is None  # nor is it an earlier run to refuse
     AtomicCheckpointIO().save_checkpoint({"step": 3}, tmp_path / "last.ckpt")
     assert resume_checkpoint(tmp_path, resume=True) == str(tmp_path / "last.ckpt")
+
+
+def test_starting_afresh_over_an_earlier_runs_checkpoints_is_refused(tmp_path):
+    """resume=false where an earlier run's complete checkpoints are: its last.ckpt would stay until this run's first
+    save, and a crash before it plus a plain relaunch would continue the earlier run. Refused, naming the directory,
+    the newest checkpoint and the ways out; nothing is touched. A file that is not this recipe's is no run."""
+    io = AtomicCheckpointIO()
+    io.save_checkpoint({"step": 1}, tmp_path / "someone_elses.ckpt")
     assert resume_checkpoint(tmp_path, resume=False) is None
+    for name in ("step_4.ckpt", "step_12.ckpt", "step_8.ckpt", "last.ckpt"):
+        io.save_checkpoint({"step": 1}, tmp_path / name)
+    before = sorted(p.name for p in tmp_path.iterdir())
+    with pytest.raises(ConfigError) as refused:
+        resume_checkpoint(tmp_path, resume=False)
+    message = str(refused.value)
+    assert f"checkpoint.ckpt_dir={tmp_path} " in message and f"newest: {tmp_path / 'last.ckpt'})" in message, message
+    assert "last.ckpt, step_12.ckpt, step_8.ckpt, step_4.ckpt" in message and "someone" not in message, message
+    for way_out in ("checkpoint.resume=true", "new output_dir", "delete"):
+        assert way_out in message, message
+    assert sorted(p.name for p in tmp_path.iterdir()) == before
+    assert resume_checkpoint(tmp_path, resume=True) == str(tmp_path / "last.ckpt")
+
+
+def test_without_last_ckpt_a_resume_takes_the_newest_step_file(tmp_path, caplog):
+    """A job killed between its first step_<N>.ckpt and last.ckpt: the relaunch continues that step file (step 12, not
+    the lexically last step_8), not a new run beside it."""
+    for name in ("step_4.ckpt", "step_12.ckpt", "step_8.ckpt"):
+        AtomicCheckpointIO().save_checkpoint({"step": 1}, tmp_path / name)
+    assert resume_checkpoint(tmp_path, resume=True) == str(tmp_path / "step_12.ckpt")
+    assert "No last.ckpt" in caplog.text
 
 
 class Tiny(L.LightningModule):

@@ -14,7 +14,7 @@ import pytest
 import torch
 from launch import RECIPE_DIR, run_script
 from modeling_codonfm_te import NVEncodonConfig, NVEncodonForMaskedLM
-from sequences import MASK_ID, encode
+from sequences import MASK_ID, UNK_ID, encode
 
 
 SEQUENCES = ["ATGAAACCCGGGTTTTAA", "ATGGCTGCAGCGGCCTAA", "ATGTGGTGA", "ATGCATCATCATCATCATCATTAG"]
@@ -77,11 +77,12 @@ def test_export_loads_with_auto_model_in_a_fresh_process(trained, tmp_path):
     torch.testing.assert_close(torch.load(outputs), expected, rtol=0, atol=0)
 
 
-def hand_pll(model: NVEncodonForMaskedLM, sequence: str) -> float:
-    """Mask one codon at a time, one padded forward pass per codon, and add up log p(true codon)."""
+def hand_pll(model: NVEncodonForMaskedLM, sequence: str, positions: list[int] | None = None) -> float:
+    """Mask one codon at a time (every one, or the token ``positions`` given), one padded forward pass per codon, and
+    add up log p(true codon)."""
     ids = torch.as_tensor(encode(sequence)).unsqueeze(0)
     total = 0.0
-    for position in range(1, ids.shape[1] - 1):
+    for position in positions or range(1, ids.shape[1] - 1):
         masked = ids.clone()
         masked[0, position] = MASK_ID
         with torch.no_grad():
@@ -117,6 +118,35 @@ def test_predict_writes_embeddings_and_plls_that_match_a_hand_loop(trained, tmp_
         with torch.no_grad():
             last = model(input_ids=ids, output_hidden_states=True).hidden_states[-1][0]
         np.testing.assert_allclose(embeddings[row], last.mean(dim=0).numpy(), rtol=1e-5, atol=1e-6)
+
+
+def test_unk_codons_are_context_never_scored_or_counted(trained, tmp_path):
+    """Under invalid_codon_policy=unk an invalid codon (NNN) and a trailing partial codon become <UNK>, which training
+    never predicts: the PLL is the hand loop's sum over the real codons only (the <UNK>s still in every masked copy),
+    num_codons leaves them out, and a sequence of <UNK>s alone has no codon (PLL 0, mean NaN)."""
+    sequences = ["ATGAAANNNGGGTTTTAA", "ATGGCTGCAGCGGCCTAAGC", "NNNNNN"]
+    path = tmp_path / "genes.parquet"
+    pq.write_table(pa.table({"id": ["mid", "tail", "none"], "sequence": sequences}), path)
+    output = tmp_path / "out"
+    run_script(
+        "predict.py", f"model_path={trained / 'final_model'}", f"data.predict_path={path}", f"output_dir={output}",
+        "data.invalid_codon_policy=unk", "pll_token_budget=40", "data.num_workers=0",
+    )  # fmt: skip
+    table = pq.read_table(output / "predictions.parquet").to_pydict()
+    assert table["id"] == ["mid", "tail", "none"]
+    known = [[1, 2, 4, 5, 6], [1, 2, 3, 4, 5, 6], []]  # token positions of the real codons (<CLS> is 0)
+    for sequence, positions in zip(sequences, known):
+        ids = encode(sequence)
+        assert sorted(set(range(1, len(ids) - 1)) - set(positions)) == [i for i, t in enumerate(ids) if t == UNK_ID]
+    assert table["num_codons"] == [5, 6, 0]
+
+    model = checkpoint_model(trained)
+    expected = [hand_pll(model, s, p) if p else 0.0 for s, p in zip(sequences, known)]
+    np.testing.assert_allclose(table["pll"], expected, rtol=1e-5)
+    np.testing.assert_allclose(table["mean_log_likelihood"][:2], [expected[0] / 5, expected[1] / 6], rtol=1e-5)
+    assert np.isnan(table["mean_log_likelihood"][2])
+    # Scoring the <UNK> too (as before) gives another number: the check above can fail.
+    assert abs(hand_pll(model, sequences[0]) - expected[0]) > 1e-3
 
 
 def test_predict_refuses_a_fine_tuned_classifier(tmp_path):

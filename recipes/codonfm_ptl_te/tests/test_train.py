@@ -140,6 +140,33 @@ def test_a_partial_checkpoint_is_ignored_on_resume(tmp_path):
     assert torch.load(checkpoints / "last.ckpt", weights_only=False)["global_step"] == 8
 
 
+def test_starting_afresh_over_an_earlier_run_is_refused(tmp_path):
+    """checkpoint.resume=false where an earlier run's last.ckpt is: that file would stay until this run's first save,
+    and a crash before it plus a plain relaunch would continue the earlier run. The launch stops before training with
+    one line naming the directory, the checkpoint and the ways out, and leaves every file as it was; a plain relaunch
+    continues the earlier run."""
+    common = ["logger.log_every=1", "trainer.val_check_interval=1000", "data.token_budget=1024"]
+    common += ["export_final_model=false", "checkpoint.save_every=2", "checkpoint.keep_step_checkpoints=1"]
+    run_script("train.py", f"output_dir={tmp_path}", "num_train_steps=4", *common)
+    checkpoints = tmp_path / "checkpoints"
+    before = {p: p.stat().st_mtime_ns for p in tmp_path.rglob("*") if p.is_file()}
+    assert sorted(p.name for p in checkpoints.iterdir()) == ["last.ckpt", "step_4.ckpt"]
+
+    result = run_script(
+        "train.py", f"output_dir={tmp_path}", "num_train_steps=2", "checkpoint.resume=false", *common,
+        expect_failure=True,
+    )  # fmt: skip
+    errors = [line for line in result.stderr.splitlines() if line.startswith("error: ")]
+    assert len(errors) == 1, result.stderr[-3000:]
+    assert "checkpoint.resume=false" in errors[0] and str(checkpoints / "last.ckpt") in errors[0], errors[0]
+    assert result.returncode == 2 and "Traceback" not in result.stderr, result.stderr[-3000:]
+    assert {p: p.stat().st_mtime_ns for p in tmp_path.rglob("*") if p.is_file()} == before
+
+    result = run_script("train.py", f"output_dir={tmp_path}", "num_train_steps=6", *common)
+    assert "Resuming from" in result.stdout + result.stderr
+    assert [m["step"] for m in read_jsonl(tmp_path / "metrics.jsonl")] == list(range(1, 7))
+
+
 def test_lightning_gives_the_losses_of_a_plain_pytorch_loop(tmp_path):
     """benchmark_bare_loop.py trains the same model on the same batches without Lightning: every logged loss and
     gradient norm agree, so the Lightning layer (strategy, hooks, clipping, schedule) adds no arithmetic of its own."""
