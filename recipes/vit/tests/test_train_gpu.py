@@ -131,6 +131,23 @@ def test_te_layers_decay_only_the_weight_matrices(tmp_path, strategy, overrides,
 
 
 @pytest.mark.requires_te
+@needs_megatron_fsdp
+def test_megatron_fsdp_resumes_both_weight_decay_groups(tmp_path, images):
+    """40 steps in one go vs 20 + resume + 20 under Megatron-FSDP, whose optimizer model_setup regroups after
+    fully_shard: the checkpoint holds both groups' state and the resumed run logs the same losses (TE's deterministic
+    attention backward; a lost moment would move step 22 by far more than the tolerance)."""
+    deterministic = {"NVTE_ALLOW_NONDETERMINISTIC_ALGO": "0"}
+    common = [f"dataset.path={images}", TE, "logger.log_every=1", "checkpoint.save_every=20"]
+    for name, steps in (("full", 40), ("resumed", 20), ("resumed", 40)):
+        args = [f"output_dir={tmp_path / name}", *common, f"num_train_steps={steps}"]
+        result = run_script("train_mfsdp.py", *args, nproc=1, cpu_only=False, timeout=600, env=deterministic)
+    assert "Resumed from" in result.stdout + result.stderr
+    full, resumed = (read_jsonl(tmp_path / name / "metrics.jsonl") for name in ("full", "resumed"))
+    assert [m["step"] for m in resumed] == list(range(1, 41))
+    torch.testing.assert_close([m["loss"] for m in resumed], [m["loss"] for m in full], rtol=0, atol=1e-4)
+
+
+@pytest.mark.requires_te
 @pytest.mark.requires_multi_gpu
 def test_fsdp2_on_two_gpus_learns(tmp_path, images):
     train_on_gpu("train_fsdp2.py", tmp_path, images, TE, nproc=2)
