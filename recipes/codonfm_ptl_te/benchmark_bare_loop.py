@@ -8,8 +8,10 @@ Takes the same Hydra configs as train.py and builds the same things with the sam
 (model_setup.py: config, FP8 plan, construction on the device), the datamodule's training loader (the same batches
 in the same order), AdamW and the schedule, bf16 autocast for ``trainer.precision: bf16-mixed`` (Lightning's
 ``MixedPrecision`` does the same), gradient clipping, and perf_logger.py's ``PerfLogger``, which writes
-``summary.json`` in the format train.py writes. What is left out is Lightning itself: the Trainer's loop, hooks,
-callbacks, ``self.log`` and the per-micro-batch dropout seeding of lightning_module.py. Compare the two summaries'
+``summary.json`` in the format train.py writes. The loss is the same too: each micro-batch's masked-codon mean divided
+by ``trainer.accumulate_grad_batches``; on one process the LightningModule's data-parallel token weight is exactly 1
+and reduces nothing (lightning_module.py), so there is none here. What is left out is Lightning itself: the Trainer's
+loop, hooks, callbacks, ``self.log`` and the per-micro-batch dropout seeding of lightning_module.py. Compare the two summaries'
 ``median_tokens_per_second_per_gpu`` (docs/benchmarks.md). No checkpoints, no validation, no export.
 """
 

@@ -66,7 +66,11 @@ class PerfCallback(L.Callback):
         self._lr = optimizer.param_groups[0]["lr"]  # the rate this step uses (the scheduler steps after it)
 
     def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx) -> None:
-        # Lightning divides each micro-batch's loss by accumulate_grad_batches: their sum is the step's mean loss.
+        # outputs["loss"] is training_step's loss divided by accumulate_grad_batches (Lightning 2.6 passes
+        # on_train_batch_end its detached copy). Pre-training weights it by this rank's share of the micro-batch's
+        # masked codons on all ranks (lightning_module.py), so the sum over the step's micro-batches, averaged over
+        # the ranks by PerfLogger, is the average of the micro-batches' means over their masked codons on all ranks:
+        # the loss whose gradient the step takes. On one process it is the plain mean, as in benchmark_bare_loop.py.
         loss = outputs["loss"].detach()
         self._step_loss = loss if self._step_loss is None else self._step_loss + loss
         if trainer.global_step > self._last_step:  # this batch ended an optimizer step

@@ -10,6 +10,15 @@ log ``train_loss`` and ``val_loss``.
 Batches are the datamodule's dicts, passed to the model as keyword arguments: BSHD (``input_ids``, ``attention_mask``,
 ``labels``) or THD (packed ``input_ids`` with ``cu_seq_lens_q/k`` and ``max_length_q/k``), the names the model takes.
 
+Loss and gradient: a masked-LM micro-batch's loss is the mean over its masked codons, and ``training_step`` returns
+it weighted by ``n * dp / N`` (:func:`EncodonModule.data_parallel_token_weight`): ``n`` this rank's masked codons,
+``N`` those of the micro-batch on all ``dp`` data-parallel ranks. DDP, FSDP and FSDP2 average the ranks' gradients, so
+the micro-batch's gradient is the mean over all of its masked codons on all ranks, however they fall: a rank that drew
+fewer does not weigh each of its codons more (2 ranks x 1 sequence == 1 rank x 1 batch of both sequences,
+tests/test_train.py). The micro-batches of one optimizer step (``trainer.accumulate_grad_batches``) keep Lightning's
+convention, each divided by their number: Lightning does not show ``training_step`` the step's other micro-batches, so
+they cannot be weighted by their share of the step's codons. One process: the weight is 1 and nothing is reduced.
+
 Dropout draws from a generator reseeded at every micro-batch from (seed, optimizer step, micro-batch, rank): a resumed
 run draws the same masks as an uninterrupted one, whatever else (validation, data-loader workers) used the global RNG
 in between, and ranks draw different masks.
@@ -20,6 +29,7 @@ import logging
 import lightning as L
 import numpy as np
 import torch
+import torch.distributed as dist
 from fp8_calibration import calibrate_delayed_scaling, uses_delayed_scaling
 from lightning.pytorch.strategies import FSDPStrategy, ModelParallelStrategy
 from model_setup import (
@@ -123,7 +133,9 @@ class EncodonModule(L.LightningModule):
 
     def _calibrate_delayed_scaling(self, batch, batch_idx) -> None:
         """Forward/backward passes on this batch through the strategy (DDP/FSDP wrapper, precision context), the
-        loss divided as Lightning divides it over accumulated micro-batches; the gradients are discarded."""
+        loss weighted as ``training_step`` weights it and divided as Lightning divides it over accumulated
+        micro-batches; the gradients are discarded. (Every rank runs the same number of passes, as fp8_calibration
+        decides it over all ranks, so the weight's all-reduce stays matched.)"""
 
         def forward_backward() -> None:
             loss = self.trainer.strategy.training_step(batch, batch_idx)
@@ -136,8 +148,32 @@ class EncodonModule(L.LightningModule):
             self._calibrating = False
 
     def log_training_loss(self, loss: torch.Tensor) -> None:
+        """``train_loss``: this rank's micro-batch mean, unweighted (metrics.jsonl's loss is PerfCallback's)."""
         if not self._calibrating:
             self.log("train_loss", loss.detach(), on_step=True, on_epoch=False)
+
+    def data_parallel_group(self):
+        """The process group over the data-parallel ranks, or None in a single process without one. Every process
+        of this recipe is one data-parallel rank: DDP and FSDP (``FSDPStrategy``, full or grad-op sharding, never
+        hybrid) over the world, FSDP2 over its mesh's ``data_parallel`` dimension (tensor_parallel_size=1, so that
+        too is the world)."""
+        if not (dist.is_available() and dist.is_initialized()):
+            return None
+        if isinstance(self.trainer.strategy, ModelParallelStrategy):
+            return self.device_mesh["data_parallel"].get_group()
+        return dist.group.WORLD
+
+    def data_parallel_token_weight(self, scored: int) -> torch.Tensor | None:
+        """``scored * dp / N`` for a micro-batch whose mean loss is over ``scored`` tokens on this rank, ``N`` the
+        micro-batch's scored tokens on all ``dp`` data-parallel ranks (clamped to 1: a micro-batch with none weighs
+        nothing); None, meaning a weight of exactly 1, with one data-parallel rank. The count is a host number (no
+        sync), written on the device by ``torch.full`` and all-reduced there: the weight stays on the device."""
+        group = self.data_parallel_group()
+        if group is None or dist.get_world_size(group) == 1:
+            return None
+        total = torch.full((), float(scored), device=self.device)
+        dist.all_reduce(total, group=group)
+        return scored * dist.get_world_size(group) / total.clamp(min=1)
 
     def on_save_checkpoint(self, checkpoint: dict) -> None:
         # The model's shape travels with its weights: fine-tuning and predict.py rebuild it from the checkpoint alone.
@@ -183,10 +219,15 @@ class EncodonPretrainModule(EncodonModule):
         return with_labeled_token_index(batch)
 
     def training_step(self, batch: dict, batch_idx: int) -> torch.Tensor:
+        # The masked codons' count is the length of their index, found on the CPU: a shape, no host sync.
+        weight = self.data_parallel_token_weight(batch["labeled_token_index"].numel())
         # The head runs only on the masked codons: the loss is the same, without logits nobody reads.
         loss = self.model(**batch, labeled_logits_only=True).loss
         self.log_training_loss(loss)
-        return loss
+        # Weighted by this rank's share of the micro-batch's masked codons on all ranks (module docstring). Lightning
+        # divides it by accumulate_grad_batches; PerfCallback's step loss, averaged over the ranks, is then the average
+        # over the step's micro-batches of each one's mean over its masked codons on all ranks.
+        return loss if weight is None else loss * weight
 
     def validation_step(self, batch: dict, batch_idx: int) -> None:
         loss = self.model(**batch, labeled_logits_only=True).loss
@@ -219,6 +260,9 @@ class EncodonFinetuneModule(EncodonModule):
         load_encoder_weights(self.model, read_pretrained_weights(source), source)
 
     def training_step(self, batch: dict, batch_idx: int) -> torch.Tensor:
+        # The loss is the mean over the micro-batch's sequences, and every rank's micro-batch holds as many sequences
+        # as every other's (EpochBatchSampler gives the ranks equal shares, cut into batches of micro_batch_size), so
+        # the ranks' gradient average already weighs every sequence alike: the data-parallel weight would be 1.
         loss = self.model(**batch).loss
         self.log_training_loss(loss)
         return loss

@@ -241,6 +241,22 @@ def test_finetune_batches(tmp_path, task):
     assert module.num_classes == (3 if task == "classification" else None)
 
 
+def test_finetune_ranks_hold_as_many_sequences_in_every_batch(tmp_path):
+    """Each rank's fine-tuning micro-batch holds as many sequences as every other rank's, the short batch at an
+    epoch's end included: the ranks' gradient average of their sequence-mean losses then weighs every sequence
+    alike, so the fine-tuning loss needs no data-parallel weight (lightning_module.EncodonFinetuneModule)."""
+    path = tmp_path / "ft.csv"
+    path.write_text("sequence,y\n" + "".join(f"{'ATG' * (i % 5 + 1)},{i}\n" for i in range(23)))
+    sizes = []
+    for rank in range(3):  # 7 rows each (23 // 3): batches of 3, 3, 1 per epoch
+        module = CodonDataModule({"train_path": str(path), "task": "regression", "label_column": "y",
+                                  "input_format": "bshd", "micro_batch_size": 3, "val_fraction": 0.0,
+                                  "num_workers": 0}, dp_rank=rank, dp_world_size=3)  # fmt: skip
+        module.setup("fit")
+        sizes.append([batch["labels"].shape[0] for _, batch in zip(range(8), module.train_dataloader())])
+    assert sizes[0] == [3, 3, 1, 3, 3, 1, 3, 3] and sizes[1] == sizes[0] and sizes[2] == sizes[0]
+
+
 def test_classification_labels_beyond_num_classes(tmp_path):
     path = tmp_path / "c.csv"
     path.write_text("sequence,label\nATG,0\nCCC,3\nGGG,1\n")

@@ -2,8 +2,9 @@
 
 References are independent of the code under test: the validation loss must come close to the Bayes-optimal
 masked-codon loss of the synthetic data and far below its unigram entropy (sanity_reference.py computes both from the
-Markov chain that generated the data), an interrupted run must match an uninterrupted one bit for bit, and the
-Lightning loop must give the losses of a plain PyTorch loop over the same model and batches.
+Markov chain that generated the data), an interrupted run must match an uninterrupted one bit for bit, the
+Lightning loop must give the losses of a plain PyTorch loop over the same model and batches, and a step split over
+two ranks must train as the same step on one rank.
 """
 
 import json
@@ -11,7 +12,10 @@ from pathlib import Path
 
 import pytest
 import torch
+from datamodule import CodonDataModule
+from hydra import compose, initialize_config_dir
 from launch import RECIPE_DIR, assert_logs_read_well_off_a_terminal, run_script
+from safetensors.torch import load_file
 from sanity_reference import reference_numbers
 
 
@@ -183,3 +187,67 @@ def test_lightning_gives_the_losses_of_a_plain_pytorch_loop(tmp_path):
         assert ours["grad_norm"] == pytest.approx(plain["grad_norm"], rel=1e-5), ours["step"]
         assert ours["lr"] == plain["lr"]
     assert lightning[-1]["loss"] < lightning[0]["loss"] - 0.2
+
+
+def l0_training_batches(dp_rank: int, dp_world_size: int, micro_batch_size: int, count: int) -> list[dict]:
+    """The first ``count`` BSHD training batches of one rank of the L0 sanity data, as train.py's datamodule makes them."""
+    with initialize_config_dir(config_dir=str(RECIPE_DIR / "hydra_config"), version_base="1.3"):
+        cfg = compose(
+            config_name="L0_sanity",
+            overrides=["output_dir=unused", "data.input_format=bshd", f"data.micro_batch_size={micro_batch_size}"],
+        )
+    data = CodonDataModule(cfg.data, dp_rank=dp_rank, dp_world_size=dp_world_size)
+    data.setup("fit")
+    batches = iter(data.train_dataloader())
+    return [next(batches) for _ in range(count)]
+
+
+def assert_same_training_to_float32_rounding(run_dir: Path, reference_dir: Path) -> None:
+    """Two runs that compute the same steps split another way: the same losses, gradient norms and exported weights
+    to float32 rounding, over steps that did change the weights."""
+    runs, reference = read_jsonl(run_dir / "metrics.jsonl"), read_jsonl(reference_dir / "metrics.jsonl")
+    assert [m["step"] for m in runs] == [m["step"] for m in reference]
+    assert [m["loss"] for m in runs] == pytest.approx([m["loss"] for m in reference], rel=1e-5)
+    assert [m["grad_norm"] for m in runs] == pytest.approx([m["grad_norm"] for m in reference], rel=1e-4)
+    assert reference[-1]["loss"] != reference[0]["loss"]  # the steps did change the weights
+    expected = load_file(reference_dir / "final_model" / "model.safetensors")
+    got = load_file(run_dir / "final_model" / "model.safetensors")
+    assert got.keys() == expected.keys()
+    for key, value in got.items():
+        torch.testing.assert_close(value, expected[key], rtol=1e-5, atol=1e-6, msg=key)
+
+
+@pytest.mark.parametrize("strategy", ["ddp", "fsdp2"])
+def test_two_ranks_of_one_sequence_equal_one_rank_of_two(tmp_path, strategy):
+    """The same steps split over ranks instead of batch rows: 2 ranks x 1 sequence == 1 rank x 1 batch of those 2
+    sequences (BSHD, float32, no dropout, 3 steps). Equal because each rank weighs its micro-batch's mean loss by its
+    share of the micro-batch's masked codons on both ranks (lightning_module.py): with each rank's own mean, as before,
+    a codon on the rank that drew fewer masked codons weighed more, and here they differ at every step."""
+    steps = 3
+    one_rank = l0_training_batches(0, 1, micro_batch_size=2, count=steps)
+    ranks = [l0_training_batches(rank, 2, micro_batch_size=1, count=steps) for rank in range(2)]
+    for step in range(steps):
+        masked = []
+        for rank in range(2):
+            # Rank r reads the r-th row of each pair of the permutation, with the masks the one rank draws for it.
+            ours, row = ranks[rank][step], one_rank[step]["attention_mask"][rank].bool()
+            assert ours["input_ids"].shape[0] == 1 and ours["attention_mask"][0].bool().sum() == row.sum()
+            for key in ("input_ids", "labels"):
+                assert torch.equal(ours[key][0][ours["attention_mask"][0].bool()], one_rank[step][key][rank][row])
+            masked.append(int((ours["labels"] != -100).sum()))
+        assert masked[0] != masked[1], (step, masked)  # so that a per-rank mean would weigh codons unequally
+
+    common = [
+        f"strategy={strategy}",
+        f"num_train_steps={steps}",
+        "logger.log_every=1",
+        "data.input_format=bshd",
+        "model_config_overrides.hidden_dropout_prob=0.0",
+        "model_config_overrides.attention_probs_dropout_prob=0.0",
+        "adamw_kwargs.eps=1e-3",  # Adam's update of a gradient near 0 would turn rounding into sign flips
+        "checkpoint.save_final=false",
+        "trainer.val_check_interval=1000",
+    ]
+    run_script("train.py", f"output_dir={tmp_path / 'ranks'}", *common, "data.micro_batch_size=1", nproc=2)
+    run_script("train.py", f"output_dir={tmp_path / 'one'}", *common, "data.micro_batch_size=2")
+    assert_same_training_to_float32_rounding(tmp_path / "ranks", tmp_path / "one")
