@@ -45,6 +45,7 @@ from model_setup import (
 )
 from modeling_codonfm_te import NVEncodonConfig
 from omegaconf import DictConfig, OmegaConf
+from optimizer_settings import configured_settings, restore_configured_settings
 from packing import IGNORE_INDEX, with_labeled_token_index
 from quantization import check_quantization_supported
 from scheduler import get_linear_schedule_with_warmup
@@ -111,7 +112,20 @@ class EncodonModule(L.LightningModule):
         fused = self.trainer.strategy.root_device.type == "cuda"
         optimizer = torch.optim.AdamW(self.model.parameters(), **self.cfg.adamw_kwargs, fused=fused)
         scheduler = get_linear_schedule_with_warmup(optimizer, **self.cfg.lr_scheduler_kwargs)
+        self._configured_optimizer = configured_settings(optimizer, scheduler)  # before a resume overwrites them
         return {"optimizer": optimizer, "lr_scheduler": {"scheduler": scheduler, "interval": "step", "frequency": 1}}
+
+    def on_train_start(self) -> None:
+        # Lightning has restored a resumed run's optimizer and schedule by now, with the settings of the run that
+        # saved them. AdamW's moments and the schedule's step stay; lr, betas, eps, weight decay and the peak lr are
+        # this run's config again (optimizer_settings.py), so a resume with a lower adamw_kwargs.lr trains with it.
+        if self.trainer.ckpt_path is not None:
+            restore_configured_settings(
+                self.trainer.optimizers[0],
+                self.trainer.lr_scheduler_configs[0].scheduler,
+                self._configured_optimizer,
+                str(self.trainer.ckpt_path),
+            )
 
     def configure_gradient_clipping(self, optimizer, gradient_clip_val=None, gradient_clip_algorithm=None) -> None:
         """Clip the global gradient norm to ``max_grad_norm`` (null: only measure it) and keep the norm for logging."""

@@ -9,6 +9,8 @@ learning-rate schedule, and the masked-LM loss over several micro-batches.
 - Loss: :func:`masked_lm_loss`, the Trainer's ``compute_loss_func``: the summed cross-entropy of a micro-batch over
   the masked tokens of the whole optimizer step (all micro-batches, all processes), so ``grad_acc_steps`` micro-batches
   give the gradient of one batch holding all of them, whatever number of tokens the masking picked in each.
+- Resume: AdamW's moments and the schedule's step come from the checkpoint, the optimizer's settings and the peak lr
+  from this launch's config (``_load_optimizer_and_scheduler``, optimizer_settings.py).
 - FP8 with DelayedScaling: before the first micro-batch of a launch trains, forward/backward passes on it set every
   FP8 scale (fp8_calibration.py: otherwise the first steps' gradients are cast with scales of 1); their gradients are
   discarded.
@@ -22,6 +24,7 @@ import torch.nn.functional as F
 from accelerate.utils import AutocastKwargs
 from checkpoints import clear_for_save
 from fp8_calibration import calibrate_delayed_scaling
+from optimizer_settings import configured_settings, restore_configured_settings
 from perf_logger import PerfLogger
 from scheduler import get_linear_schedule_with_warmup
 from transformers import Trainer
@@ -142,6 +145,17 @@ class MaskedLMTrainer(Trainer):
         return super()._save_checkpoint(model, trial)
 
     def _load_optimizer_and_scheduler(self, checkpoint):
+        if checkpoint is None:
+            return super()._load_optimizer_and_scheduler(checkpoint)
+        # The checkpoint brings AdamW's moments and the schedule's step; lr, betas, eps, weight decay and the peak
+        # lr stay this launch's config (optimizer_settings.py), so a resume with a lower adamw_kwargs.lr uses it.
+        optimizer = getattr(self.optimizer, "optimizer", self.optimizer)  # accelerate's wrapper, if any
+        scheduler = getattr(self.lr_scheduler, "scheduler", self.lr_scheduler)
+        configured = configured_settings(optimizer, scheduler)
+        self._load_saved_optimizer_and_scheduler(checkpoint)
+        restore_configured_settings(optimizer, scheduler, configured, str(checkpoint))
+
+    def _load_saved_optimizer_and_scheduler(self, checkpoint):
         # A multi-process CPU run's device is "cpu:<rank>" (accelerate), which transformers passes to torch.load as
         # map_location, and torch.load knows only "cpu": resuming would fail. Restore onto the plain CPU device.
         device = self.args.device

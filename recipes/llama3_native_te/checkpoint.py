@@ -23,6 +23,9 @@ Inside a checkpoint:
 - DDP: ``train_state.pt`` from rank 0 (model, optimizer, scheduler, step);
 - FSDP2 / Megatron-FSDP: a ``torch.distributed.checkpoint`` (DCP) directory of sharded model and optimizer states
   plus scheduler and step, each rank writing its own shards.
+
+A resumed run keeps its config's optimizer settings and peak learning rate (a changed ``adamw_kwargs`` applies from
+the resumed step on, with a warning that names what changed: optimizer_settings.py).
 """
 
 import logging
@@ -38,6 +41,7 @@ import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 from hf_export import write_hf_directory
+from optimizer_settings import configured_settings, restore_configured_settings
 from torch.distributed.checkpoint.state_dict import (
     StateDictOptions,
     get_model_state_dict,
@@ -357,13 +361,16 @@ class Checkpointer:
         dataloader: Any = None,
         map_location: torch.device | str = "cpu",
     ) -> int:
-        """Restore the newest complete checkpoint into the given objects; return its step (0 when there is none)."""
+        """Restore the newest complete checkpoint into the given objects; return its step (0 when there is none).
+        The optimizer's settings (lr, betas, eps, weight decay) and the peak learning rate stay the config's
+        (optimizer_settings.py); its state and the schedule's step come from the checkpoint."""
         # Rank 0 decides, so that every rank resumes from the same step.
         path = _broadcast_from_rank0(find_latest_checkpoint(self.ckpt_dir) if _rank() == 0 else None)
         if path is None:
             return 0
 
         _check_strategy(path, self.strategy)
+        configured = configured_settings(optimizer, scheduler)  # the config's, which the loads below overwrite
         if self.strategy == "ddp":
             train_state = torch.load(path / "train_state.pt", map_location=map_location, weights_only=True)
             _check_shapes(path, _shapes(train_state["model"]), _shapes(_unwrap(model).state_dict()))
@@ -384,6 +391,7 @@ class Checkpointer:
                 optimizer.load_state_dict(state["optimizer"])
             scheduler.load_state_dict(state["scheduler"])
             step = int(state["step"])
+        restore_configured_settings(optimizer, scheduler, configured, str(path))
 
         self._load_rank_state(path, dataloader)
         logger.info("Resumed from %s (step %d)", path, step)

@@ -90,6 +90,17 @@ def test_stop_and_resume_is_exact(tmp_path, strategy):
         torch.testing.assert_close(weights[resumed][key], value, rtol=0, atol=0, msg=key)
 
 
+def test_a_resume_trains_with_the_learning_rate_of_its_config(tmp_path):
+    """Resumed with a lower ``adamw_kwargs.lr`` (after a loss spike, say), the run trains with it from the resumed step
+    on and says so: last.ckpt brings AdamW's moments and the schedule's step, not the old peak lr."""
+    common = ["logger.log_every=1", "checkpoint.save_every=2", "lr_scheduler_kwargs.num_warmup_steps=4"]
+    run_script("train.py", f"output_dir={tmp_path}", "num_train_steps=2", "adamw_kwargs.lr=2e-3", *common)
+    result = run_script("train.py", f"output_dir={tmp_path}", "num_train_steps=4", "adamw_kwargs.lr=1e-3", *common)
+    assert "peak lr 0.002 -> 0.001" in result.stdout + result.stderr
+    lrs = [m["lr"] for m in read_jsonl(tmp_path / "metrics.jsonl")]
+    assert lrs == pytest.approx([5e-4, 1e-3, 7.5e-4, 1e-3], rel=1e-6)
+
+
 def test_resume_on_one_process_continues_the_epoch_of_two(tmp_path):
     """10 steps on 2 processes (THD), then the same command in one process: weights, optimizer and schedule resume,
     and the one rank's sampler continues from both saved positions (its state names them as the earlier world),

@@ -87,6 +87,19 @@ def test_metrics_log_the_learning_rate_each_step_trained_with(tmp_path):
     assert [m["lr"] for m in read_metrics(tmp_path)] == pytest.approx([5e-4, 1e-3, 1.5e-3, 2e-3], rel=1e-6)
 
 
+def test_a_resume_trains_with_the_learning_rate_of_its_config(tmp_path):
+    """Resumed with a lower ``adamw_kwargs.lr`` (after a loss spike, say), the run trains with it from the resumed step
+    on and says so: the checkpoint brings AdamW's moments and the schedule's step, not the old peak lr."""
+    common = [
+        TINY_ESM2, *FAST, "num_train_steps=4", "logger.log_every=1", "lr_scheduler_kwargs.num_warmup_steps=4",
+        "export_final_model=false",
+    ]  # fmt: skip
+    accelerate_launch("cpu.yaml", f"output_dir={tmp_path}", *common, "adamw_kwargs.lr=2e-3", "stop_after_steps=2")
+    result = accelerate_launch("cpu.yaml", f"output_dir={tmp_path}", *common, "adamw_kwargs.lr=1e-3")
+    assert "peak lr 0.002 -> 0.001" in result.stdout + result.stderr
+    assert [m["lr"] for m in read_metrics(tmp_path)] == pytest.approx([5e-4, 1e-3, 7.5e-4, 1e-3], rel=1e-6)
+
+
 def _refusal(result) -> str:
     """The one ``error:`` line a refused launch printed."""
     errors = [line for line in result.stderr.splitlines() + result.stdout.splitlines() if line.startswith("error: ")]

@@ -23,7 +23,7 @@ from torchdata.stateful_dataloader import StatefulDataLoader
 TOTAL_STEPS, SAVE_AT = 6, 3
 
 
-def build_training(strategy: str):
+def build_training(strategy: str, lr: float = 1e-2, weight_decay: float = 1e-2):
     """A toy model (the same initial weights on every rank), sharded or wrapped, with AdamW and a schedule."""
     torch.manual_seed(0)
     model = torch.nn.Sequential(torch.nn.Linear(8, 16), torch.nn.GELU(), torch.nn.Linear(16, 1))
@@ -33,7 +33,7 @@ def build_training(strategy: str):
         fully_shard(model)
     else:
         model = DistributedDataParallel(model)
-    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    optimizer = torch.optim.AdamW(model.parameters(), lr=lr, weight_decay=weight_decay)
     if strategy == "mfsdp":  # Megatron-FSDP's optimizer holds its state from the start: a resume loads into it
         for param in model.parameters():
             zeros = {"exp_avg": torch.zeros_like(param), "exp_avg_sq": torch.zeros_like(param)}
@@ -42,8 +42,8 @@ def build_training(strategy: str):
     return model, optimizer, scheduler
 
 
-def build(strategy: str, rank: int, world_size: int):
-    model, optimizer, scheduler = build_training(strategy)
+def build(strategy: str, rank: int, world_size: int, **optimizer_settings):
+    model, optimizer, scheduler = build_training(strategy, **optimizer_settings)
     data = TensorDataset(torch.arange(64, dtype=torch.float32).reshape(-1, 1).repeat(1, 8) / 64)
     sampler = DistributedSampler(data, num_replicas=world_size, rank=rank, shuffle=True, seed=1)
     loader = StatefulDataLoader(data, batch_size=2, sampler=sampler)
@@ -69,6 +69,10 @@ def train_steps(model, optimizer, scheduler, batches, n: int) -> list[float]:
         optimizer.zero_grad()
         losses.append(loss.item())
     return losses
+
+
+def _full(tensor: torch.Tensor) -> torch.Tensor:
+    return (tensor.full_tensor() if hasattr(tensor, "full_tensor") else tensor).detach().clone()
 
 
 def full_params(model, strategy: str) -> dict[str, torch.Tensor]:
@@ -108,8 +112,24 @@ def main():
     model, optimizer, scheduler, loader = build(strategy, rank, world)
     torch.manual_seed(999)
     resumed_step = checkpointer.load_latest(model, optimizer, scheduler, loader)
+    resumed_exp_avg = {name: _full(optimizer.state[param]["exp_avg"]) for name, param in model.named_parameters()}
     resumed_losses = train_steps(model, optimizer, scheduler, batches_of(loader), TOTAL_STEPS - resumed_step)
     resumed_params = full_params(model, strategy)
+    checkpointer.close()
+
+    # A resume with another lr and weight decay in its config: those apply, the weights and AdamW's moments are the
+    # checkpoint's.
+    model, optimizer, scheduler, loader = build(strategy, rank, world, lr=5e-3, weight_decay=0.1)
+    checkpointer.load_latest(model, optimizer, scheduler, loader)
+    changed = {
+        "lr": [group["lr"] for group in optimizer.param_groups],
+        "last_lr": scheduler.get_last_lr(),
+        "weight_decay": [group["weight_decay"] for group in optimizer.param_groups],
+        "params": full_params(model, strategy),
+        "exp_avg": {name: _full(optimizer.state[param]["exp_avg"]) for name, param in model.named_parameters()},
+    }
+    changed["loss"] = train_steps(model, optimizer, scheduler, batches_of(loader), 1)[0]
+    changed["next_lr"] = [group["lr"] for group in optimizer.param_groups]
     checkpointer.close()
 
     if rank == 0:
@@ -121,6 +141,8 @@ def main():
                 "resumed_losses": resumed_losses,
                 "expected_params": expected_params,
                 "resumed_params": resumed_params,
+                "resumed_exp_avg": resumed_exp_avg,
+                "changed": changed,
             },
             result_file,
         )

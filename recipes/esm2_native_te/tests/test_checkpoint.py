@@ -127,6 +127,18 @@ def test_save_then_resume_continues_identically(tmp_path, strategy, mode, nproc)
     for name, expected in result["expected_params"].items():
         torch.testing.assert_close(result["resumed_params"][name], expected, rtol=0, atol=0)
 
+    # Resumed with lr 5e-3 and weight decay 0.1 in the config (the checkpoint's run: 1e-2 and 0.01): the config's
+    # settings and its schedule's lr at step 3 (warmup 2, then 10 decay steps: 0.9 of the peak) apply, while the
+    # weights and AdamW's moments are the checkpoint's (the first loss is the plain resume's).
+    changed = result["changed"]
+    assert changed["lr"] == changed["last_lr"] == [5e-3 * 0.9]
+    assert changed["next_lr"] == [5e-3 * 0.8]
+    assert changed["weight_decay"] == [0.1]
+    assert changed["loss"] == result["resumed_losses"][0]
+    for name, exp_avg in result["resumed_exp_avg"].items():
+        assert exp_avg.abs().sum() > 0
+        torch.testing.assert_close(changed["exp_avg"][name], exp_avg, rtol=0, atol=0)
+
 
 @pytest.mark.parametrize(("strategy", "old_world", "new_world"), [("fsdp2", 2, 1), ("fsdp2", 1, 2), ("ddp", 2, 1)])
 def test_resume_on_another_number_of_ranks_restores_the_state_and_finishes_the_epoch(
