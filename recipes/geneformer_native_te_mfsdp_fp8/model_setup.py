@@ -14,6 +14,9 @@ Hugging Face ``BertForMaskedLM`` checkpoint such as a published Geneformer model
   meta device when ``fsdp.use_meta_device``, so each rank materialises only its own shards;
 - ``"mfsdp"``: Megatron-FSDP (CUDA only) over the ``("dp", "tp")`` mesh in ``meshes.fsdp``. It shards the model and
   its optimizer together, so for this strategy the optimizer is built here too.
+
+Every strategy's AdamW gets the parameter groups of ``weight_decay.weight_decay_groups``: no decay on biases and
+LayerNorm weights, as in the Hugging Face Trainer that pretrained Geneformer.
 """
 
 import contextlib
@@ -49,6 +52,7 @@ from torch.distributed.fsdp import fully_shard
 from torch.nn.parallel import DistributedDataParallel
 from transformers import AutoTokenizer, BertConfig, BertForMaskedLM, PretrainedConfig, PreTrainedTokenizerBase
 from user_errors import ConfigError, UnsupportedHardwareError
+from weight_decay import no_weight_decay_names, restore_weight_decay_groups, weight_decay_groups
 
 
 logger = logging.getLogger(__name__)
@@ -273,10 +277,13 @@ def _build_megatron_fsdp(cfg, device, meshes, config, tokenizer, plan, pretraine
     model_flops = ModelFlops.from_model(model, config.num_hidden_layers, config.hidden_size)
     _log_model(model)
 
-    # Each transformer layer is one FSDP unit; the optimizer's parameter groups are rebuilt over the shards. The
-    # optimizer is the other entrypoints' (adamw.py): CompensatedAdamW, over fp32 main weights (plain AdamW in its
-    # float32 kernel) or over bf16 weights (mixed_precision.fp32_master_weights=false), which then get bf16 gradients.
-    optimizer = build_adamw(model.parameters(), cfg, device)
+    # Each transformer layer is one FSDP unit; the optimizer's parameters are replaced by the shards. The optimizer is
+    # the other entrypoints' (adamw.py): CompensatedAdamW, over fp32 main weights (plain AdamW in its float32 kernel)
+    # or over bf16 weights (mixed_precision.fp32_master_weights=false), which then get bf16 gradients. Its weight decay
+    # groups are told apart on the model as it is here (whole tensors), and rebuilt by name after sharding.
+    weight_decay = cfg.adamw_kwargs.weight_decay
+    no_decay = no_weight_decay_names(model)
+    optimizer = build_adamw(weight_decay_groups(model, weight_decay), cfg, device)
     main_params_dtype, main_grads_dtype = megatron_fsdp_precision(cfg.mixed_precision, device)
     policy = megatron_fsdp.MixedPrecisionPolicy(main_params_dtype=main_params_dtype, main_grads_dtype=main_grads_dtype)
     with megatron_fsdp_init_step_left_out(optimizer):  # its state-building step changes nothing
@@ -291,6 +298,7 @@ def _build_megatron_fsdp(cfg, device, meshes, config, tokenizer, plan, pretraine
             mixed_precision_policy=policy,
             device=device,
         )
+    restore_weight_decay_groups(optimizer, model.module, no_decay, weight_decay)  # fully_shard left one group
     # Fine-tuning (init_from_pretrained): after sharding, into the main weights (fp32, or the bf16 weights); loaded
     # before, fp32 main weights would reach them only through the bf16 compute weights above, rounded.
     apply_pretrained_weights(model, pretrained)

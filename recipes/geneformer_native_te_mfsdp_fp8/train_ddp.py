@@ -28,6 +28,7 @@ from recipe_paths import config_name
 from scheduler import get_linear_schedule_with_warmup
 from user_errors import check_config, report_user_errors
 from validation import Validator
+from weight_decay import weight_decay_groups
 
 
 logger = logging.getLogger(__name__)
@@ -49,8 +50,9 @@ def main(cfg: DictConfig) -> None:
     model, tokenizer = built.model, built.tokenizer
     use_bf16 = computes_in_bf16(cfg.mixed_precision, device)
 
-    # Optimizer, schedule, data.
-    optimizer = build_adamw(model.parameters(), cfg, device)  # CompensatedAdamW on CUDA (adamw.py)
+    # Optimizer, schedule, data. AdamW is CompensatedAdamW on CUDA (adamw.py), with no weight decay on biases and
+    # LayerNorm weights, as in the Hugging Face Trainer that pretrained Geneformer (weight_decay.py).
+    optimizer = build_adamw(weight_decay_groups(model, cfg.adamw_kwargs.weight_decay), cfg, device)
     scheduler = get_linear_schedule_with_warmup(optimizer, **cfg.lr_scheduler_kwargs)
     dataloader = create_dataloader(
         cfg.dataset, tokenizer, dp_rank=dist_config.rank, dp_world_size=dist_config.world_size, seed=cfg.seed

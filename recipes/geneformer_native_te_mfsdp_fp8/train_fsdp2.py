@@ -28,6 +28,7 @@ from recipe_paths import config_name
 from scheduler import get_linear_schedule_with_warmup
 from user_errors import check_config, report_user_errors
 from validation import Validator
+from weight_decay import weight_decay_groups
 
 
 logger = logging.getLogger(__name__)
@@ -50,8 +51,10 @@ def main(cfg: DictConfig) -> None:
     built = build_model(cfg, device, meshes, strategy="fsdp2")
     model, tokenizer = built.model, built.tokenizer
 
-    # Optimizer, schedule, data (each data-parallel rank reads its own shard of the cells).
-    optimizer = build_adamw(model.parameters(), cfg, device)  # CompensatedAdamW on CUDA (adamw.py)
+    # Optimizer, schedule, data (each data-parallel rank reads its own shard of the cells). AdamW is CompensatedAdamW
+    # on CUDA (adamw.py), with no weight decay on biases and LayerNorm weights, as in the Hugging Face Trainer that
+    # pretrained Geneformer (weight_decay.py).
+    optimizer = build_adamw(weight_decay_groups(model, cfg.adamw_kwargs.weight_decay), cfg, device)
     scheduler = get_linear_schedule_with_warmup(optimizer, **cfg.lr_scheduler_kwargs)
     dataloader = create_dataloader(
         cfg.dataset, tokenizer, dp_rank=meshes.dp_rank, dp_world_size=meshes.dp_size, seed=cfg.seed

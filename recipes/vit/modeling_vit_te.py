@@ -254,6 +254,11 @@ class NVViTPreTrainedModel(PreTrainedModel):
     _keys_to_ignore_on_load_missing = [r"_extra_state"]
     _keys_to_ignore_on_load_unexpected = [r"_extra_state"]
 
+    def no_weight_decay(self) -> set[str]:
+        """The parameters AdamW leaves undecayed besides biases and LayerNorm weights, by the last part of their name
+        (timm's ``VisionTransformer.no_weight_decay()``, DeiT's rule): the class token and the position embeddings."""
+        return {"cls_token", "position_embeddings"}
+
     @torch.no_grad()
     def _init_weights(self, module: nn.Module) -> None:
         """Truncated normal (``initializer_range``) for every weight matrix, the class token and the position

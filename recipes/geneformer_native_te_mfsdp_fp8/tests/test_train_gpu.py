@@ -25,6 +25,7 @@ from test_train import (
     read_metrics,
     validation_records,
 )
+from test_weight_decay import LR, WEIGHT_DECAY, assert_decayed_once, assert_logged_groups, one_decay_step
 
 
 needs_megatron_fsdp = pytest.mark.skipif(
@@ -38,6 +39,7 @@ VALIDATE = "validation.every_n_steps=50"
 # TE's fused attention runs a deterministic backward only when asked to; GEMMs and norms are run-to-run exact. With it,
 # two TE runs of the same steps log the same losses bit for bit, which the exactness tests below rely on.
 DETERMINISTIC = {"NVTE_ALLOW_NONDETERMINISTIC_ALGO": "0"}
+TE = "++model_config_overrides.backend=te"
 
 
 def assert_validated(output_dir: Path, steps: list[int]) -> None:
@@ -141,6 +143,47 @@ def test_megatron_fsdp_stop_and_go_matches_uninterrupted_run(tmp_path):
     train_on_gpu("train_mfsdp.py", tmp_path / "resumed", *common, "num_train_steps=30", steps=60, env=DETERMINISTIC)
     train_on_gpu("train_mfsdp.py", tmp_path / "resumed", *common, steps=60, env=DETERMINISTIC)
     assert [m["step"] for m in read_metrics(tmp_path / "resumed")] == list(range(1, 61))
+    assert_same_run(tmp_path / "full", tmp_path / "resumed")
+
+
+@pytest.mark.requires_te
+@pytest.mark.parametrize(
+    ("script", "overrides", "rtol"),
+    [
+        ("train_ddp.py", [], 1e-6),
+        ("train_fsdp2.py", [], 1e-6),
+        pytest.param("train_mfsdp.py", [], 1e-6, marks=needs_megatron_fsdp),  # its fp32 main weights
+        pytest.param("train_mfsdp.py", ["mixed_precision.fp32_master_weights=false"], 1e-2, marks=needs_megatron_fsdp),
+    ],
+    ids=["ddp", "fsdp2", "mfsdp", "mfsdp-bf16-weights"],
+)
+def test_te_layers_decay_only_the_weight_matrices(tmp_path, script, overrides, rtol):
+    """One step of a stock checkpoint fine-tuned in which only weight decay moves a weight (tests/test_weight_decay.py,
+    ``ONLY_DECAY``), with TE's layers, whose fused LayerNorm weights are among the undecayed: only the weight matrices
+    and embedding tables shrink, by lr * weight_decay. Megatron-FSDP's fully_shard merges the optimizer's groups into
+    one (every tensor decayed); model_setup splits them again. With bf16 weights the loaded weights are the stock ones
+    rounded to bf16."""
+    before, after, log = one_decay_step(tmp_path, script, TE, *overrides, nproc=1, cpu_only=False)
+    if "mixed_precision.fp32_master_weights=false" in overrides:
+        before = {key: value.bfloat16().float() for key, value in before.items()}
+    assert_decayed_once(before, after, 1 - LR * WEIGHT_DECAY, rtol=rtol, atol=1e-9)
+    assert_logged_groups(log)
+
+
+@pytest.mark.requires_te
+@needs_megatron_fsdp
+def test_megatron_fsdp_resumes_both_weight_decay_groups(tmp_path):
+    """40 steps in one go vs 20 + resume + 20 under Megatron-FSDP, whose optimizer model_setup regroups after
+    fully_shard, with a weight decay of 0.1 (100 times the default, so that a group lost, merged or swapped on resume
+    would move the losses): the checkpoint holds both groups' state, and the resumed run logs the same losses,
+    gradient norms and held-out losses bit for bit and exports the same weights (TE's deterministic attention
+    backward)."""
+    common = [TE, "dataset.input_format=thd", "logger.log_every=1", "validation.every_n_steps=20"]
+    common += ["adamw_kwargs.weight_decay=0.1"]
+    train_on_gpu("train_mfsdp.py", tmp_path / "full", *common, steps=40, env=DETERMINISTIC)
+    train_on_gpu("train_mfsdp.py", tmp_path / "resumed", *common, "num_train_steps=20", steps=40, env=DETERMINISTIC)
+    train_on_gpu("train_mfsdp.py", tmp_path / "resumed", *common, steps=40, env=DETERMINISTIC)
+    assert [m["step"] for m in read_metrics(tmp_path / "resumed")] == list(range(1, 41))  # 21-40 by the resumed run
     assert_same_run(tmp_path / "full", tmp_path / "resumed")
 
 
