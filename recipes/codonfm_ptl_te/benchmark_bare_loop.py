@@ -6,11 +6,12 @@
 
 Takes the same Hydra configs as train.py and builds the same things with the same functions: the model
 (model_setup.py: config, FP8 plan, construction on the device), the datamodule's training loader (the same batches
-in the same order), AdamW and the schedule, bf16 autocast for ``trainer.precision: bf16-mixed`` (Lightning's
-``MixedPrecision`` does the same), gradient clipping, and perf_logger.py's ``PerfLogger``, which writes
-``summary.json`` in the format train.py writes. The loss is the same too: each micro-batch's masked-codon mean divided
-by ``trainer.accumulate_grad_batches``; on one process the LightningModule's data-parallel token weight is exactly 1
-and reduces nothing (lightning_module.py), so there is none here. What is left out is Lightning itself: the Trainer's
+in the same order), AdamW with its two parameter groups (weight_decay.py) and the schedule, bf16 autocast for
+``trainer.precision: bf16-mixed`` (Lightning's ``MixedPrecision`` does the same), gradient clipping, and
+perf_logger.py's ``PerfLogger``, which writes ``summary.json`` in the format train.py writes. The loss is the same
+too: each micro-batch's masked-codon mean divided by ``trainer.accumulate_grad_batches``; on one process the
+LightningModule's data-parallel token weight is exactly 1 and reduces nothing (lightning_module.py), so there is none
+here. What is left out is Lightning itself: the Trainer's
 loop, hooks, callbacks, ``self.log`` and the per-micro-batch dropout seeding of lightning_module.py. Compare the two summaries'
 ``median_tokens_per_second_per_gpu`` (docs/benchmarks.md). No checkpoints, no validation, no export.
 """
@@ -29,6 +30,7 @@ from quantization import check_quantization_supported
 from recipe_paths import config_name
 from scheduler import get_linear_schedule_with_warmup
 from user_errors import ConfigError, check_config, report_user_errors
+from weight_decay import weight_decay_groups
 
 
 logger = logging.getLogger(__name__)
@@ -49,7 +51,8 @@ def main(cfg: DictConfig) -> None:
     check_quantization_supported(plan, device)
     model = build_model(config, plan, pretraining=True, device=device)
     flops = model_flops(model, config)
-    optimizer = torch.optim.AdamW(model.parameters(), **cfg.adamw_kwargs, fused=device.type == "cuda")
+    groups = weight_decay_groups(model, cfg.adamw_kwargs.weight_decay)
+    optimizer = torch.optim.AdamW(groups, **cfg.adamw_kwargs, fused=device.type == "cuda")
     scheduler = get_linear_schedule_with_warmup(optimizer, **cfg.lr_scheduler_kwargs)
     data = CodonDataModule(cfg.data, dp_rank=0, dp_world_size=1)
     data.setup("fit")

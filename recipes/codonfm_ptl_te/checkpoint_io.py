@@ -13,6 +13,10 @@ Every strategy writes one whole file from rank 0 through this plugin: DDP, FSDP 
 (``ModelParallelStrategy(save_distributed_checkpoint=False)``; its sharded directories would bypass the plugin).
 Checkpoints hold weights, not TE's ``_extra_state`` (FP8 scaling bookkeeping, rebuilt by a resumed run);
 :func:`extra_state_kept_when_absent` lets an FSDP2 resume load such a checkpoint into TE modules.
+
+A checkpoint written before AdamW left the biases and LayerNorm weights undecayed holds one optimizer parameter group,
+where this code builds two (lightning_module.configure_optimizers): :func:`resume_checkpoint` refuses it in one line
+(:func:`check_optimizer_param_groups`) before anything is built.
 """
 
 import contextlib
@@ -126,7 +130,8 @@ def resume_checkpoint(ckpt_dir: str | os.PathLike, resume: bool) -> str | None:
     One ckpt_dir holds one run: without ``resume``, a ckpt_dir that holds complete checkpoints (an earlier run's) is
     refused with a :class:`ConfigError`, before anything is built or written. Otherwise the earlier run's
     ``last.ckpt`` would stay until this run's first save, and a crash before it followed by a plain relaunch would
-    continue the earlier run.
+    continue the earlier run. A checkpoint this code's optimizer cannot load is refused too
+    (:func:`check_optimizer_param_groups`).
     """
     ckpt_dir = Path(ckpt_dir)
     for leftover in sorted(ckpt_dir.glob(f".*{PARTIAL_SUFFIX}")):
@@ -145,8 +150,24 @@ def resume_checkpoint(ckpt_dir: str | os.PathLike, resume: bool) -> str | None:
         return None
     if complete[0].name != LAST:
         logger.warning("No %s in %s (a save killed before writing it): the newest step file is used", LAST, ckpt_dir)
+    check_optimizer_param_groups(complete[0])
     logger.info("Resuming from %s", complete[0])
     return str(complete[0])
+
+
+def check_optimizer_param_groups(path: str | os.PathLike) -> None:
+    """Refuse (:class:`ConfigError`) a checkpoint whose AdamW has one parameter group: one written before weight decay
+    skipped the biases and LayerNorm weights. This code builds two (decayed, undecayed), and Lightning's load of one
+    into two fails far from its cause: under DDP in ``Optimizer.load_state_dict`` ("a different number of parameter
+    groups"), under FSDP2 only after loading, as an IndexError among the scheduler's learning rates. Reads the
+    checkpoint memory-mapped: its tensors stay on the disk."""
+    checkpoint = torch.load(path, map_location="cpu", mmap=True, weights_only=False)
+    states = checkpoint.get("optimizer_states") if isinstance(checkpoint, dict) else None
+    if states and len(states[0].get("param_groups", ())) == 1:
+        raise ConfigError(
+            f"{path} was written with one optimizer parameter group, before weight decay skipped biases and LayerNorm "
+            "weights, and cannot be resumed: start afresh in a new output_dir"
+        )
 
 
 class RecipeModelCheckpoint(ModelCheckpoint):

@@ -3,9 +3,10 @@
 Both build their Hugging Face model in ``configure_model``, Lightning's hook for models that a strategy shards (see
 model_setup.py): whole on the device for DDP and FSDP (Lightning wraps each ``EncodonLayer`` afterwards), on the meta
 device then ``fully_shard``-ed per layer and materialised for FSDP2 (``ModelParallelStrategy``). Both use AdamW with the
-warmup + linear-decay schedule (scheduler.py) stepped once per optimizer step, clip the gradient norm themselves
-(``configure_gradient_clipping``: Lightning's own clipping refuses FSDP, and the norm before clipping is logged), and
-log ``train_loss`` and ``val_loss``.
+warmup + linear-decay schedule (scheduler.py) stepped once per optimizer step, decaying the weight matrices and
+embedding tables but not the biases and LayerNorm weights (weight_decay.py; the published CodonFM training code's
+groups), clip the gradient norm themselves (``configure_gradient_clipping``: Lightning's own clipping refuses FSDP,
+and the norm before clipping is logged), and log ``train_loss`` and ``val_loss``.
 
 Batches are the datamodule's dicts, passed to the model as keyword arguments: BSHD (``input_ids``, ``attention_mask``,
 ``labels``) or THD (packed ``input_ids`` with ``cu_seq_lens_q/k`` and ``max_length_q/k``), the names the model takes.
@@ -35,6 +36,7 @@ from lightning.pytorch.strategies import FSDPStrategy, ModelParallelStrategy
 from model_setup import (
     build_model,
     check_backend,
+    fsdp1_weight_decay_groups,
     fsdp2_policy,
     is_pretraining,
     load_encoder_weights,
@@ -52,6 +54,7 @@ from scheduler import get_linear_schedule_with_warmup
 from torchmetrics import MeanMetric, MeanSquaredError, PearsonCorrCoef
 from torchmetrics.classification import MulticlassAccuracy
 from user_errors import ConfigError
+from weight_decay import no_weight_decay_names, weight_decay_groups
 
 
 logger = logging.getLogger(__name__)
@@ -72,6 +75,8 @@ class EncodonModule(L.LightningModule):
         self.model_config, self.plan = load_model_config(cfg)
         self.model = None  # built by configure_model, once the strategy (and its device mesh) exists
         self.model_flops = None
+        self._built_parameters: dict[str, int] = {}  # configure_model: every parameter's name and size, as built
+        self._no_weight_decay: set[str] = set()  # and the names of those AdamW leaves undecayed
         self.last_grad_norm: torch.Tensor | None = None  # before clipping, of the last optimizer step
         self._rng_step, self._micro_batch = -1, 0
         # DelayedScaling: FP8 scales set on the fit's first batch before it trains (fp8_calibration.py).
@@ -91,6 +96,10 @@ class EncodonModule(L.LightningModule):
         fsdp2 = isinstance(strategy, ModelParallelStrategy)
         model = build_model(self.model_config, self.plan, self.pretraining, "meta" if fsdp2 else device)
         self.model_flops = model_flops(model, self.model_config)
+        # What AdamW leaves undecayed, decided on the model as built (whole shapes, on the meta device too): FSDP1
+        # wraps it before configure_optimizers, where every parameter is a flat 1-D shard under a wrapped name.
+        self._built_parameters = {name: param.numel() for name, param in model.named_parameters()}
+        self._no_weight_decay = no_weight_decay_names(model)
         if fsdp2:
             policy = fsdp2_policy(self.trainer.precision, device)
             mesh = self.device_mesh["data_parallel"]
@@ -109,8 +118,15 @@ class EncodonModule(L.LightningModule):
         check_quantization_supported(self.plan, device)
 
     def configure_optimizers(self):
+        # Two groups: adamw_kwargs.weight_decay on the weight matrices and embedding tables, none on the biases and
+        # LayerNorm weights (TE's fused LayerNormLinear/LayerNormMLP ones too): weight_decay.py.
+        weight_decay = self.cfg.adamw_kwargs.weight_decay
+        if isinstance(self.trainer.strategy, FSDPStrategy):  # FSDP1's flat shards: split by the names as built
+            groups = fsdp1_weight_decay_groups(self.model, weight_decay, self._built_parameters, self._no_weight_decay)
+        else:  # the model itself (DDP wraps the LightningModule), or FSDP2's DTensors (ndim of the whole tensor)
+            groups = weight_decay_groups(self.model, weight_decay)
         fused = self.trainer.strategy.root_device.type == "cuda"
-        optimizer = torch.optim.AdamW(self.model.parameters(), **self.cfg.adamw_kwargs, fused=fused)
+        optimizer = torch.optim.AdamW(groups, **self.cfg.adamw_kwargs, fused=fused)
         scheduler = get_linear_schedule_with_warmup(optimizer, **self.cfg.lr_scheduler_kwargs)
         self._configured_optimizer = configured_settings(optimizer, scheduler)  # before a resume overwrites them
         return {"optimizer": optimizer, "lr_scheduler": {"scheduler": scheduler, "interval": "step", "frequency": 1}}

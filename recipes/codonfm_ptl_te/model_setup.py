@@ -11,6 +11,12 @@ will shard:
 - FSDP (``strategy: fsdp``, Lightning's ``FSDPStrategy``): built whole on this process's device; Lightning wraps each
   ``EncodonLayer`` (the auto-wrap policy, :func:`fsdp_unit`) and shards it right after ``configure_model``.
 
+AdamW's parameter groups (weight_decay.py: decay on the weight matrices and embedding tables, none on biases and
+LayerNorm weights) follow the tensors' dimensions under DDP and FSDP2 (a DTensor reports its whole tensor's). FSDP1
+shows ``configure_optimizers`` each parameter as a flat 1-D view of this rank's shard, under a name with its wrappers'
+segments: there the groups follow the names weight_decay.py gave on the model as built
+(:func:`fsdp1_weight_decay_groups`).
+
 FP8 runs through the model's own ``te.autocast``, one per run of same-precision layers (``layer_precision`` + the TE
 recipe built here by ``quantization.py``), not through a Lightning precision plugin: see trainer_setup.py.
 """
@@ -41,6 +47,7 @@ from torch.distributed.checkpoint.state_dict import StateDictOptions, set_model_
 from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 from torch.distributed.tensor import DTensor
 from user_errors import ConfigError, MissingPackageError, PathNotFoundError, UnsupportedHardwareError
+from weight_decay import model_no_weight_decay
 
 
 logger = logging.getLogger(__name__)
@@ -162,6 +169,52 @@ def shard_with_fsdp2(model: torch.nn.Module, mesh, mp_policy: MixedPrecisionPoli
         if isinstance(module, fsdp_unit()):
             fully_shard(module, mesh=mesh, mp_policy=mp_policy, reshard_after_forward=reshard_after_forward)
     fully_shard(model, mesh=mesh, mp_policy=mp_policy, reshard_after_forward=reshard_after_forward)
+
+
+# ------------------------------------------------------------------------------------------- weight decay under FSDP1
+
+# The segments that FSDP1 (torch's FSDP_WRAPPED_MODULE) and torch's activation-checkpoint wrapper
+# (_CHECKPOINT_WRAPPED_MODULE) insert into the names of the parameters of the modules they wrap.
+FSDP1_WRAPPER_SEGMENTS = ("_fsdp_wrapped_module", "_checkpoint_wrapped_module")
+
+
+def name_before_wrapping(name: str) -> str:
+    """A parameter's name as the model had it before FSDP1 wrapped its modules:
+    ``encodon.layers.0._fsdp_wrapped_module.mlp.fc1.weight`` -> ``encodon.layers.0.mlp.fc1.weight``."""
+    return ".".join(part for part in name.split(".") if part not in FSDP1_WRAPPER_SEGMENTS)
+
+
+def fsdp1_weight_decay_groups(
+    model: torch.nn.Module, weight_decay: float, built: dict[str, int], no_decay: set[str]
+) -> list[dict]:
+    """AdamW's parameter groups for ``model`` after FSDP1 (``use_orig_params=True``, Lightning's default) wrapped it:
+    ``weight_decay`` on every parameter but those named in ``no_decay``, 0 on those. There each parameter is a flat
+    1-D view of this rank's shard (maybe empty), so its ``ndim`` cannot tell a weight matrix from a bias: the names
+    decide, those that ``weight_decay.no_weight_decay_names`` gave on the model as built. ``built`` maps every
+    parameter's name then to its number of elements (for the log line, which reads as ``weight_decay_groups``'s).
+    Every parameter must be one of ``built``, once, and every one of ``built`` must be there."""
+    decay, undecayed, seen = [], [], []
+    for name, param in model.named_parameters():
+        seen.append(name_before_wrapping(name))
+        (undecayed if seen[-1] in no_decay else decay).append(param)
+    unknown, missing = sorted(set(seen) - set(built)), sorted((set(built) | no_decay) - set(seen))
+    if unknown or missing or len(seen) != len(set(seen)):
+        raise RuntimeError(
+            "FSDP1's parameters are not those of the model as built: cannot split AdamW's weight decay groups by name "
+            f"(not built: {unknown[:3]}; not found: {missing[:3]}; named twice: {len(seen) - len(set(seen))})"
+        )
+    named = sorted(model_no_weight_decay(model))
+    decayed_sizes = [size for name, size in built.items() if name not in no_decay]
+    logger.info(
+        "AdamW weight decay %g on %d tensors (%d parameters), none on %d (%d parameters: biases, LayerNorm weights%s)",
+        weight_decay,
+        len(decayed_sizes),
+        sum(decayed_sizes),
+        len(built) - len(decayed_sizes),
+        sum(built.values()) - sum(decayed_sizes),
+        f", and the model's no_weight_decay(): {', '.join(named)}" if named else "",
+    )
+    return [{"params": decay, "weight_decay": weight_decay}, {"params": undecayed, "weight_decay": 0.0}]
 
 
 # ------------------------------------------------------------------------------------------- pre-trained weights

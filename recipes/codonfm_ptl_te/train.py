@@ -42,7 +42,8 @@ def main(cfg: DictConfig) -> None:
         logging.getLogger().setLevel(logging.WARNING)
     logger.info("Config:\n%s", OmegaConf.to_yaml(cfg))
     # A relaunch continues from the newest complete checkpoint: weights, optimizer, schedule, step, data position. A
-    # launch that would start afresh among an earlier run's checkpoints stops here, before anything is built.
+    # launch that would start afresh among an earlier run's checkpoints stops here, before anything is built, as does
+    # one whose checkpoint has one optimizer parameter group (written before the weight decay groups).
     ckpt_path = resume_checkpoint(cfg.checkpoint.ckpt_dir, cfg.checkpoint.resume)
     L.seed_everything(cfg.seed, workers=True, verbose=False)  # the same initial weights on every rank
 

@@ -3,7 +3,8 @@
 The references are the CPU tests' own: the validation loss of the L0 sanity run must come close to the Bayes-optimal
 loss of the synthetic data and far below its unigram entropy, and the export must hold the checkpointed weights.
 Each strategy (DDP, FSDP, FSDP2) runs bf16 on one GPU; FP8 runs with two TE recipes; two GPUs run DDP, FSDP and FSDP2;
-the benchmark configs run a few steps at full size. Each L0 run takes about a minute on one H100 (600 Lightning steps
+the benchmark configs run a few steps at full size; FSDP1 and FSDP2 decay only the weight matrices (the CPU tests'
+one-step reference of tests/test_weight_decay.py). Each L0 run takes about a minute on one H100 (600 Lightning steps
 of a tiny model plus start-up), so the one-GPU tests take about 10 minutes; the 2-GPU tests skip there.
 """
 
@@ -15,6 +16,7 @@ import torch
 from launch import RECIPE_DIR, run_script
 from safetensors.torch import load_file
 from test_train import read_jsonl
+from test_weight_decay import LR, WEIGHT_DECAY, assert_decayed_once, assert_logged_groups, one_decay_step
 
 
 TE = ["+model_config_overrides.backend=te", "trainer.precision=bf16-mixed"]
@@ -120,6 +122,30 @@ def test_te_activation_recompute_trains_exactly_like_keeping_activations(tmp_pat
     assert [m["step"] for m in recomputed] == list(range(1, 13))
     assert [(m["loss"], m["grad_norm"]) for m in recomputed] == [(m["loss"], m["grad_norm"]) for m in plain]
     assert plain[-1]["loss"] != plain[0]["loss"]
+
+
+@pytest.mark.requires_te
+@pytest.mark.parametrize("strategy", ["fsdp", "fsdp2"])
+def test_te_layers_decay_only_the_weight_matrices(tmp_path, strategy):
+    """One step in which only weight decay moves a weight (tests/test_weight_decay.py's ``one_decay_step``: a step,
+    then a relaunch whose step has eps=1e10), with TE's layers, whose fused LayerNorm weights and biases
+    (LayerNormLinear, LayerNormMLP) are among the undecayed, bf16-mixed over fp32 weights, on one GPU: only the weight
+    matrices and the embedding table shrink, by lr * weight_decay. FSDP1 (``fsdp``) splits the groups by the names
+    configure_model recorded (on one GPU it keeps each tensor's shape, NO_SHARD; two GPUs below give it flat shards);
+    FSDP2 by the DTensors' dimensions. Also resumes both groups under FSDP1."""
+    before, after, log = one_decay_step(tmp_path, *TE, f"strategy={strategy}", cpu_only=False)
+    assert_decayed_once(before, after, 1 - LR * WEIGHT_DECAY)
+    assert_logged_groups(log)
+
+
+@pytest.mark.requires_multi_gpu
+@pytest.mark.requires_te
+def test_te_fsdp1_on_two_gpus_decays_only_the_weight_matrices(tmp_path):
+    """As above under FSDP1 on two GPUs, where each parameter configure_optimizers sees is a flat 1-D view of this
+    rank's shard (maybe empty): the names recorded before wrapping decide."""
+    before, after, log = one_decay_step(tmp_path, *TE, "strategy=fsdp", nproc=2, cpu_only=False)
+    assert_decayed_once(before, after, 1 - LR * WEIGHT_DECAY)
+    assert_logged_groups(log)
 
 
 @pytest.mark.requires_fp8
