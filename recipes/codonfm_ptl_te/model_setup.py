@@ -47,7 +47,7 @@ from torch.distributed.checkpoint.state_dict import StateDictOptions, set_model_
 from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 from torch.distributed.tensor import DTensor
 from user_errors import ConfigError, MissingPackageError, PathNotFoundError, UnsupportedHardwareError
-from weight_decay import model_no_weight_decay
+from weight_decay import log_weight_decay_groups
 
 
 logger = logging.getLogger(__name__)
@@ -203,16 +203,11 @@ def fsdp1_weight_decay_groups(
             "FSDP1's parameters are not those of the model as built: cannot split AdamW's weight decay groups by name "
             f"(not built: {unknown[:3]}; not found: {missing[:3]}; named twice: {len(seen) - len(set(seen))})"
         )
-    named = sorted(model_no_weight_decay(model))
-    decayed_sizes = [size for name, size in built.items() if name not in no_decay]
-    logger.info(
-        "AdamW weight decay %g on %d tensors (%d parameters), none on %d (%d parameters: biases, LayerNorm weights%s)",
+    log_weight_decay_groups(
+        model,
         weight_decay,
-        len(decayed_sizes),
-        sum(decayed_sizes),
-        len(built) - len(decayed_sizes),
-        sum(built.values()) - sum(decayed_sizes),
-        f", and the model's no_weight_decay(): {', '.join(named)}" if named else "",
+        [size for name, size in built.items() if name not in no_decay],
+        [size for name, size in built.items() if name in no_decay],
     )
     return [{"params": decay, "weight_decay": weight_decay}, {"params": undecayed, "weight_decay": 0.0}]
 

@@ -68,18 +68,26 @@ def weight_decay_groups(model: torch.nn.Module, weight_decay: float) -> list[dic
     on the tensors of two or more dimensions, 0 on what :func:`skips_weight_decay` names. Each parameter is in exactly
     one group; the counts are logged."""
     groups = _split_by_name(model, weight_decay, no_weight_decay_names(model))
-    decayed, undecayed = groups[0]["params"], groups[1]["params"]
+    log_weight_decay_groups(
+        model, weight_decay, [p.numel() for p in groups[0]["params"]], [p.numel() for p in groups[1]["params"]]
+    )
+    return groups
+
+
+def log_weight_decay_groups(
+    model: torch.nn.Module, weight_decay: float, decayed_numels: list[int], undecayed_numels: list[int]
+) -> None:
+    """One line with the tensor and parameter counts of the two groups (whole tensors' sizes)."""
     named = sorted(model_no_weight_decay(model))
     logger.info(
         "AdamW weight decay %g on %d tensors (%d parameters), none on %d (%d parameters: biases, LayerNorm weights%s)",
         weight_decay,
-        len(decayed),
-        sum(p.numel() for p in decayed),
-        len(undecayed),
-        sum(p.numel() for p in undecayed),
+        len(decayed_numels),
+        sum(decayed_numels),
+        len(undecayed_numels),
+        sum(undecayed_numels),
         f", and the model's no_weight_decay(): {', '.join(named)}" if named else "",
     )
-    return groups
 
 
 def _split_by_name(module: torch.nn.Module, weight_decay: float, no_decay: set[str]) -> list[dict]:

@@ -55,19 +55,16 @@ def restore_configured_settings(
             f"built {len(configured.groups)}"
         )
     step = scheduler.last_epoch
-    changes = []
-    for index, (group, settings) in enumerate(zip(optimizer.param_groups, configured.groups)):
+    changes, scheduled = [], []
+    groups = zip(
+        optimizer.param_groups, configured.groups, scheduler.base_lrs, configured.base_lrs, scheduler.lr_lambdas
+    )
+    for index, (group, settings, saved_base, base_lr, lr_lambda) in enumerate(groups):
         where = f"group {index}: " if len(configured.groups) > 1 else ""
         for key, value in settings.items():
             if key not in group or not _same(group[key], value):
                 changes.append(f"{where}{key} {group.get(key, '(unset)')!r} -> {value!r}")
                 group[key] = value
-    scheduled = []
-    for index, (group, base_lr, lr_lambda) in enumerate(
-        zip(optimizer.param_groups, configured.base_lrs, scheduler.lr_lambdas)
-    ):
-        where = f"group {index}: " if len(configured.groups) > 1 else ""
-        saved_base = scheduler.base_lrs[index]
         lr = base_lr * lr_lambda(step)  # LambdaLR's own formula, so an unchanged config gives the very same float
         if saved_base != base_lr:
             changes.append(f"{where}peak lr {saved_base!r} -> {base_lr!r}")
