@@ -11,8 +11,9 @@ parameter names, each the last part of a name in ``named_parameters()`` (``"cls_
 ``vit.embeddings.cls_token``; a name in which no parameter's name ends is logged as a warning). The ViT names its
 class token and position embeddings there; a model without the method has none.
 
-Every entrypoint builds its optimizer over :func:`weight_decay_groups` of its model (whole under DDP; sharded in place
-under FSDP2, where a DTensor's ``ndim`` is its whole tensor's). Megatron-FSDP's ``fully_shard`` puts every sharded
+Every torchrun entrypoint builds its optimizer over :func:`weight_decay_groups` of its model (whole under DDP; sharded
+in place under FSDP2, where a DTensor's ``ndim`` is its whole tensor's); the Hugging Face Trainer recipe hands the
+complement of :func:`no_weight_decay_names` to the Trainer (its ``get_decay_parameter_names``). Megatron-FSDP's ``fully_shard`` puts every sharded
 parameter into one new group with the optimizer's defaults, so model_setup.py splits it again by name with
 :func:`restore_weight_decay_groups`. A tied parameter (an MLM decoder sharing the word embeddings) is one tensor:
 ``named_parameters()`` yields it once, under its first name, so it is in exactly one group.

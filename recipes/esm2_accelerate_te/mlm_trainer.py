@@ -9,6 +9,11 @@ learning-rate schedule, and the masked-LM loss over several micro-batches.
 - Loss: :func:`masked_lm_loss`, the Trainer's ``compute_loss_func``: the summed cross-entropy of a micro-batch over
   the masked tokens of the whole optimizer step (all micro-batches, all processes), so ``grad_acc_steps`` micro-batches
   give the gradient of one batch holding all of them, whatever number of tokens the masking picked in each.
+- Weight decay: on the weight matrices and embedding tables, none on biases and LayerNorm weights
+  (``get_decay_parameter_names``, weight_decay.py's rule by tensor dimension). The Trainer's own rule goes by name and
+  leaves out every parameter whose name contains "layernorm": TE's ``layernorm_qkv.weight`` and
+  ``layernorm_mlp.fc1_weight``/``fc2_weight``, most of a layer's weight matrices, which the stock Hugging Face model
+  decays.
 - Resume: AdamW's moments and the schedule's step come from the checkpoint, the optimizer's settings and the peak lr
   from this launch's config (``_load_optimizer_and_scheduler``, optimizer_settings.py).
 - FP8 with DelayedScaling: before the first micro-batch of a launch trains, forward/backward passes on it set every
@@ -29,6 +34,8 @@ from perf_logger import PerfLogger
 from scheduler import get_linear_schedule_with_warmup
 from transformers import Trainer
 from transformers.trainer_utils import PREFIX_CHECKPOINT_DIR
+from user_errors import ConfigError
+from weight_decay import log_weight_decay_groups, no_weight_decay_names
 
 
 IGNORE_INDEX = -100
@@ -112,6 +119,19 @@ class MaskedLMTrainer(Trainer):
             self._flops_per_token = 6 * self.model.num_parameters(exclude_embeddings=True)
         return self._flops_per_token * inputs["input_ids"].numel()
 
+    def get_decay_parameter_names(self, model: torch.nn.Module) -> list[str]:
+        """The parameters AdamW decays: every tensor of two or more dimensions (weight matrices, embeddings), as the
+        stock model gets them by the Trainer's rule, whatever the backend calls them (weight_decay.py)."""
+        no_decay = no_weight_decay_names(model)
+        named = list(model.named_parameters())
+        log_weight_decay_groups(
+            model,
+            self.args.weight_decay,
+            [param.numel() for name, param in named if name not in no_decay],
+            [param.numel() for name, param in named if name in no_decay],
+        )
+        return [name for name, _ in named if name not in no_decay]
+
     def create_scheduler(self, num_training_steps: int, optimizer: torch.optim.Optimizer | None = None):
         if self.lr_scheduler is None:
             self.lr_scheduler = get_linear_schedule_with_warmup(
@@ -152,7 +172,18 @@ class MaskedLMTrainer(Trainer):
         optimizer = getattr(self.optimizer, "optimizer", self.optimizer)  # accelerate's wrapper, if any
         scheduler = getattr(self.lr_scheduler, "scheduler", self.lr_scheduler)
         configured = configured_settings(optimizer, scheduler)
-        self._load_saved_optimizer_and_scheduler(checkpoint)
+        try:
+            self._load_saved_optimizer_and_scheduler(checkpoint)
+        except ValueError as error:
+            if "parameter group" not in str(error):
+                raise
+            # torch's "loaded state dict contains a parameter group that doesn't match the size of optimizer's group"
+            raise ConfigError(
+                f"{checkpoint}: its AdamW state has other parameter groups than this recipe builds ({error}). "
+                "Checkpoints written before the recipe grouped weight decay by tensor dimension (the Trainer's "
+                "name rule left TE's QKV and MLP weights undecayed) resume with that earlier code only; "
+                "start a new output_dir, or fine-tune from its exported model (init_from_pretrained)"
+            ) from error
         restore_configured_settings(optimizer, scheduler, configured, str(checkpoint))
 
     def _load_saved_optimizer_and_scheduler(self, checkpoint):
