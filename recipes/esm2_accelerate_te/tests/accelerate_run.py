@@ -59,3 +59,10 @@ def read_metrics(output_dir: Path) -> list[dict]:
 
 def read_summary(output_dir: Path) -> dict:
     return json.loads((output_dir / "summary.json").read_text())
+
+
+def refusal_line(result: subprocess.CompletedProcess) -> str:
+    """The one ``error:`` line a refused launch printed."""
+    errors = [line for line in result.stderr.splitlines() + result.stdout.splitlines() if line.startswith("error: ")]
+    assert len(errors) == 1, result.stderr[-3000:]
+    return errors[0]

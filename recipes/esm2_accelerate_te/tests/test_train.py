@@ -13,7 +13,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from accelerate_run import FAST, TINY_ESM2, accelerate_launch, read_metrics, read_summary
+from accelerate_run import FAST, TINY_ESM2, accelerate_launch, read_metrics, read_summary, refusal_line
 from conftest import MISSING_WEIGHT, NO_LEARNING, assert_export_holds, save_stock_esm2
 from safetensors.torch import load_file, save_file
 from transformers import AutoConfig, AutoModelForMaskedLM
@@ -100,13 +100,6 @@ def test_a_resume_trains_with_the_learning_rate_of_its_config(tmp_path):
     assert [m["lr"] for m in read_metrics(tmp_path)] == pytest.approx([5e-4, 1e-3, 7.5e-4, 1e-3], rel=1e-6)
 
 
-def _refusal(result) -> str:
-    """The one ``error:`` line a refused launch printed."""
-    errors = [line for line in result.stderr.splitlines() + result.stdout.splitlines() if line.startswith("error: ")]
-    assert len(errors) == 1, result.stderr[-3000:]
-    return errors[0]
-
-
 def test_a_launch_that_would_mix_two_runs_in_output_dir_is_refused(tmp_path):
     """An earlier run left complete checkpoint-4 and -6. Starting afresh there (checkpoint.resume=false) would have
     its checkpoints pruned as "oldest", outranked by the old -6 on the next resume, or written into the old run's
@@ -122,13 +115,13 @@ def test_a_launch_that_would_mix_two_runs_in_output_dir_is_refused(tmp_path):
         "cpu.yaml", f"output_dir={tmp_path}", *common, "num_train_steps=4", "checkpoint.resume=false",
         "adamw_kwargs.lr=1e-4", expect_failure=True,
     )  # fmt: skip
-    message = _refusal(afresh)
+    message = refusal_line(afresh)
     assert "checkpoint.resume=false" in message and str(tmp_path / "checkpoint-6") in message, message
     older = accelerate_launch(
         "cpu.yaml", f"output_dir={tmp_path}", *common, "num_train_steps=8",
         f"checkpoint.resume_from={tmp_path / 'checkpoint-4'}", expect_failure=True,
     )  # fmt: skip
-    message = _refusal(older)
+    message = refusal_line(older)
     assert "checkpoint.resume_from=" in message and "holds checkpoint-6 (" in message, message
     assert {p: p.stat().st_mtime_ns for p in tmp_path.rglob("*") if p.is_file()} == before
 

@@ -6,11 +6,10 @@ get_decay_parameter_names``). The Trainer's own rule goes by name and skipped TE
 References: the Trainer's own rule on the stock model (``Trainer.get_decay_parameter_names``), carried over to the
 recipe's model through convert.py; and a launch in which only weight decay can move a weight."""
 
-import math
 from types import SimpleNamespace
 
 import torch
-from accelerate_run import FAST, TINY_ESM2, accelerate_launch, read_metrics
+from accelerate_run import FAST, TINY_ESM2, accelerate_launch, read_metrics, refusal_line
 from conftest import save_stock_esm2
 from convert import convert_esm_hf_to_te
 from mlm_trainer import MaskedLMTrainer
@@ -87,8 +86,6 @@ def test_a_checkpoint_with_other_optimizer_groups_is_refused_in_one_line(tmp_pat
     undecayed.append(decayed.pop())  # one weight matrix in the undecayed group, as the name rule had it
     torch.save(state, state_path)
     result = accelerate_launch("cpu.yaml", f"output_dir={tmp_path}", *COMMON, expect_failure=True)
-    errors = [line for line in (result.stdout + result.stderr).splitlines() if line.startswith("error: ")]
-    assert len(errors) == 1 and "other parameter groups than this recipe builds" in errors[0], result.stderr[-3000:]
-    assert "Traceback" not in result.stderr.split("error: ")[-1]
-    assert math.isfinite(read_metrics(tmp_path)[0]["loss"])
+    assert "other parameter groups than this recipe builds" in refusal_line(result)
+    assert 'mlm_trainer.py", line' not in result.stderr, result.stderr[-3000:]  # no traceback from the recipe
     assert not (tmp_path / "checkpoint-2").exists()
