@@ -1,10 +1,15 @@
 """Building the model, the one way every entrypoint does it: config, precision plan, construction, sharding, init.
 
-``build_model(cfg, device, meshes, strategy)`` returns a :class:`BuiltModel`. This recipe has one strategy,
-``"fsdp2"`` (train_fsdp2.py, and train_cp.py with ``meshes.cp`` set): each transformer layer, then the root
-(embeddings, final norm, LM head), sharded with ``fully_shard`` and the one mixed-precision policy
-(``mixed_precision.mixed_precision_policy``); built on the meta device when ``fsdp.use_meta_device``, so each rank
-materialises only its own shards. With ``meshes.cp`` the model's attention is split over that context-parallel group.
+``build_model(cfg, device, meshes, strategy)`` returns a :class:`BuiltModel`. Strategies:
+
+- ``"fsdp2"`` (train_fsdp2.py, and train_cp.py with ``meshes.cp`` set): each transformer layer, then the root
+  (embeddings, final norm, LM head), sharded with ``fully_shard`` and the one mixed-precision policy
+  (``mixed_precision.mixed_precision_policy``); built on the meta device when ``fsdp.use_meta_device``, so each rank
+  materialises only its own shards. With ``meshes.cp`` the model's attention is split over that context-parallel
+  group.
+- ``"ddp"`` (train_ddp.py): the whole model on every rank, built on the device from the same seed, wrapped in
+  ``DistributedDataParallel`` when launched by torchrun with more than one rank; the loop computes under bf16
+  autocast over the fp32 master weights.
 
 ``load_model_config`` holds what is particular to this recipe's configs: the init switches ``embedding_init_std``
 (Spike No More, which needs untied embeddings) and ``scale_output_projection_init`` are model-config fields given in
@@ -19,7 +24,7 @@ from dataclasses import dataclass
 import torch
 import torch.distributed as dist
 from activation_recompute import recompute_note
-from distributed import Meshes
+from distributed import Meshes, data_parallel_wrapper
 from fused_layer_choice import keep_fused_layers_only_where_they_run
 from mixed_precision import computes_in_bf16, keeps_fp32_master_weights, mixed_precision_policy
 from modeling_llama_te import NVLlamaConfig, NVLlamaForCausalLM, resolve_backend
@@ -32,12 +37,13 @@ from quantization import (
 )
 from recipe_paths import model_directory
 from torch.distributed.fsdp import fully_shard
+from torch.nn.parallel import DistributedDataParallel
 from user_errors import ConfigError, UnsupportedHardwareError
 
 
 logger = logging.getLogger(__name__)
 
-STRATEGIES = ("fsdp2",)
+STRATEGIES = ("ddp", "fsdp2")
 
 
 @dataclass
@@ -45,17 +51,20 @@ class BuiltModel:
     """What the entrypoints use of the model."""
 
     model: NVLlamaForCausalLM  # parameters for the optimizer, checkpoints and export (sharded in place by FSDP2)
-    train_model: torch.nn.Module  # what the loop and validation call: ``model`` or its torch.compile
+    train_model: torch.nn.Module  # what the loop and validation call: ``model``, its DDP wrapper or a torch.compile
     config: NVLlamaConfig
     plan: QuantizationPlan
     model_flops: ModelFlops
     strategy: str
-    # Free the gathered weights after every backward (True), or keep them from one micro-batch of a step to the next
-    # (False: no gather between micro-batches; the step's last backward frees them). fsdp.reshard_after_backward.
+    # FSDP2: free the gathered weights after every backward (True), or keep them from one micro-batch of a step to the
+    # next (False: no gather between micro-batches; the step's last backward frees them). fsdp.reshard_after_backward.
     reshard_between_micro_batches: bool = True
+    ddp: DistributedDataParallel | None = None  # "ddp" with more than one rank
 
     def gradient_sync(self, enabled: bool) -> contextlib.AbstractContextManager:
         """Reduce gradients in this backward (``enabled``) or only accumulate them locally (earlier micro-batches)."""
+        if self.strategy == "ddp":
+            return self.ddp.no_sync() if self.ddp is not None and not enabled else contextlib.nullcontext()
         self.model.set_requires_gradient_sync(enabled)
         # The last micro-batch (``enabled``) always reshards: the optimizer steps on the shards.
         self.model.set_reshard_after_backward(enabled or self.reshard_between_micro_batches)
@@ -86,11 +95,12 @@ def load_model_config(cfg: DictConfig) -> tuple[NVLlamaConfig, QuantizationPlan]
     return config, plan
 
 
-def build_model(cfg: DictConfig, device: torch.device, meshes: Meshes, strategy: str) -> BuiltModel:
-    """The model of this run, built, sharded for ``strategy`` and initialised from ``cfg.seed``.
+def build_model(cfg: DictConfig, device: torch.device, meshes: Meshes | None, strategy: str) -> BuiltModel:
+    """The model of this run, built, placed (and sharded) for ``strategy`` and initialised from ``cfg.seed``.
 
-    On the meta device nothing is allocated until ``init_empty_weights`` fills each rank's shards: each rank keeps
-    its slice of one full-size init, so any number of ranks starts from the weights one process would.
+    On the meta device (FSDP2) nothing is allocated until ``init_empty_weights`` fills each rank's shards: each rank
+    keeps its slice of one full-size init, so any number of ranks starts from the weights one process would. ``"ddp"``
+    builds on the device (``meshes`` may be None: it uses the default process group, if any).
     """
     if strategy not in STRATEGIES:
         raise ValueError(f"strategy must be one of {STRATEGIES}, got {strategy!r}")
@@ -101,7 +111,7 @@ def build_model(cfg: DictConfig, device: torch.device, meshes: Meshes, strategy:
     except RuntimeError as error:
         raise UnsupportedHardwareError(f"{error} (+model_config_overrides.backend=torch)") from None
     torch.manual_seed(cfg.seed)  # the init draws from here, with or without the meta device
-    on_meta = cfg.fsdp.use_meta_device
+    on_meta = strategy == "fsdp2" and cfg.fsdp.use_meta_device
     with torch.device("meta" if on_meta else device):
         model = NVLlamaForCausalLM(config, fp8_recipe=plan.fp8_recipe, fp4_recipe=plan.fp4_recipe)
     if computes_in_bf16(cfg.mixed_precision, device) and not keeps_fp32_master_weights(cfg.mixed_precision, device):
@@ -117,19 +127,28 @@ def build_model(cfg: DictConfig, device: torch.device, meshes: Meshes, strategy:
     logger.info("Model: %s backend%s, %.1fM parameters%s", model.backend, layers, millions, recompute_note(config))
     logger.info("Per-layer precision: %s", config.layer_precision or "bf16 everywhere")
 
-    if meshes.cp is not None:
+    if meshes is not None and meshes.cp is not None:
         # Every attention layer exchanges K/V blocks with the other ranks of this rank's CP group.
         cp_group = meshes.cp.get_group()
         cp_stream = torch.cuda.Stream() if device.type == "cuda" else None
         model.model.set_context_parallel_group(cp_group, dist.get_process_group_ranks(cp_group), cp_stream)
 
-    # FSDP2 over meshes.fsdp (dp x cp with context parallelism: CP ranks hold the same weights).
-    policy = mixed_precision_policy(cfg.mixed_precision, device)
-    reshard = cfg.fsdp.reshard_after_forward
-    for layer in model.model.layers:
-        fully_shard(layer, mesh=meshes.fsdp, mp_policy=policy, reshard_after_forward=reshard)
-    fully_shard(model, mesh=meshes.fsdp, mp_policy=policy, reshard_after_forward=reshard)
-    if on_meta:
-        model.init_empty_weights(device)
-    train_model = torch.compile(model) if cfg.use_torch_compile else model
-    return BuiltModel(model, train_model, config, plan, model_flops, strategy, cfg.fsdp.reshard_after_backward)
+    ddp = None
+    if strategy == "fsdp2":
+        # FSDP2 over meshes.fsdp (dp x cp with context parallelism: CP ranks hold the same weights).
+        policy = mixed_precision_policy(cfg.mixed_precision, device)
+        reshard = cfg.fsdp.reshard_after_forward
+        for layer in model.model.layers:
+            fully_shard(layer, mesh=meshes.fsdp, mp_policy=policy, reshard_after_forward=reshard)
+        fully_shard(model, mesh=meshes.fsdp, mp_policy=policy, reshard_after_forward=reshard)
+        if on_meta:
+            model.init_empty_weights(device)
+        train_model = model
+    else:
+        # Every rank built the same weights from the same seed, and DDP broadcasts rank 0's anyway. The buffers
+        # (rotary frequencies) never change: no per-step broadcast.
+        ddp = data_parallel_wrapper(model, device)  # None for a process alone
+        train_model = ddp or model
+    if cfg.use_torch_compile:
+        train_model = torch.compile(train_model)
+    return BuiltModel(model, train_model, config, plan, model_flops, strategy, cfg.fsdp.reshard_after_backward, ddp)

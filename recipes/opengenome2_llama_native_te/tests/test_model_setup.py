@@ -1,11 +1,12 @@
-"""What ``model_setup.build_model`` hands train_fsdp2.py and train_cp.py, checked in one CPU process (gloo).
+"""What ``model_setup.build_model`` hands train_fsdp2.py, train_cp.py and train_ddp.py, checked in one CPU process.
 
 og2 trains 8,192-token windows (and longer ones under context parallelism), where RoPE angles need fp32: with bf16's
 8 mantissa bits the angle at position 8,000 is off by whole radians. The recipe computes in bf16 over fp32 master
 weights, and FSDP2 by default casts every floating-point input of a sharded layer to bf16, the rotary table among
 them. A pre-hook on the first sharded layer's attention records what actually arrives there (bf16 on CPU through
 ``mixed_precision.on_cpu``); a control run with a casting policy shows that the same hook reports bf16 when it
-should. Also: bf16 weights without fp32 masters, fp32 on CPU by default, and only the ``fsdp2`` strategy.
+should. Also: bf16 weights without fp32 masters, fp32 on CPU by default, the ``ddp`` strategy's weights, and no
+other strategy.
 """
 
 import logging
@@ -104,7 +105,22 @@ def test_fp32_on_cpu_unless_asked(one_process_group):
 
 def test_unknown_strategy_fails():
     with pytest.raises(ValueError, match="strategy must be one of"):
-        build_model(bf16_cfg(), torch.device("cpu"), None, strategy="ddp")
+        build_model(bf16_cfg(), torch.device("cpu"), None, strategy="mfsdp")
+
+
+def test_ddp_builds_the_weights_fsdp2_builds_without_the_meta_device(one_process_group):
+    """``"ddp"`` in one process: the model itself (no wrapper, nothing to average), plain tensors on the device, and
+    the weights FSDP2 builds from the same seed when it constructs on the device too (train_ddp.py and
+    train_fsdp2.py fsdp.use_meta_device=false start alike); fp32 master weights, as on CPU by default."""
+    cfg = bf16_cfg("mixed_precision.on_cpu=false", "fsdp.use_meta_device=false")
+    ddp = build_model(cfg, torch.device("cpu"), None, strategy="ddp")
+    assert ddp.ddp is None and ddp.train_model is ddp.model and ddp.strategy == "ddp"
+    assert not any(isinstance(p, DTensor) for p in ddp.model.parameters())
+    assert {p.dtype for p in ddp.model.parameters()} == {torch.float32}
+    sharded = build_on_cpu(cfg).model.state_dict()
+    for name, value in ddp.model.state_dict().items():
+        expected = sharded[name].full_tensor() if isinstance(sharded[name], DTensor) else sharded[name]
+        assert torch.equal(value, expected), name
 
 
 @pytest.mark.parametrize("keep", [False, True], ids=["default", "reshard_after_backward=false"])

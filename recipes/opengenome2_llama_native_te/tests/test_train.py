@@ -1,5 +1,5 @@
-"""End-to-end runs of train_fsdp2.py on CPU, launched the way a user launches them (plain python, or torchrun with
-2 processes on gloo).
+"""End-to-end runs of train_fsdp2.py and train_ddp.py on CPU, launched the way a user launches them (plain python, or
+torchrun with 2 processes on gloo).
 
 References are independent of the code under test: the loss must fall below ln 4 ~ 1.39 nats (independent bases;
 lower needs context), an interrupted run must equal an uninterrupted one bit for bit, gradient accumulation must equal
@@ -48,8 +48,40 @@ def test_one_process_learns_validates_and_exports(l0_run):
     assert sorted(p.name for p in (l0_run / "checkpoints").iterdir()) == ["model_config", "step_30", "step_60"]
 
 
-def test_two_processes_learn(tmp_path):
-    metrics = train(tmp_path, "num_train_steps=60", "validation.every_n_steps=60", "export_final_model=false", nproc=2)
+def test_ddp_one_process_learns_validates_and_exports(tmp_path):
+    """train_ddp.py as a user starts it on one machine: it learns, validates, checkpoints and exports the init settings
+    it trained with, and the export loads the way a user loads it."""
+    metrics = train(tmp_path, "num_train_steps=60", "validation.every_n_steps=30", script="train_ddp.py")
+    assert metrics[0]["loss"] > 3.0 and metrics[-1]["step"] == 60 and metrics[-1]["loss"] < LOSS_THRESHOLD, metrics
+    validation = read_jsonl(tmp_path / "validation.jsonl")
+    assert [v["step"] for v in validation] == [30, 60] and validation[-1]["val_loss"] < LOSS_THRESHOLD
+    config = AutoConfig.from_pretrained(tmp_path / "final_model", trust_remote_code=True)
+    assert (config.embedding_init_std, config.scale_output_projection_init) == (1.0, True)
+    model = AutoModelForCausalLM.from_pretrained(tmp_path / "final_model", trust_remote_code=True).eval()
+    assert torch.equal(model.state_dict()["lm_head.weight"], exported_weights(tmp_path)["lm_head.weight"])
+    assert sorted(p.name for p in (tmp_path / "checkpoints").iterdir()) == ["model_config", "step_60"]
+
+
+def test_ddp_takes_the_steps_fsdp2_takes(tmp_path):
+    """One process, the same seed and data: train_ddp.py (the model alone) and train_fsdp2.py (one-rank FSDP2, built
+    directly on the device as DDP builds it, not on the meta device, whose init draws in another order) log the same
+    losses and gradient norms and export the same weights, to float32 rounding: the same optimizer groups, token
+    weights, clipping and schedule on both paths."""
+    common = ["num_train_steps=12", "logger.log_every=1", "validation.every_n_steps=12", "fsdp.use_meta_device=false"]
+    fsdp2 = train(tmp_path / "fsdp2", *common)
+    ddp = train(tmp_path / "ddp", *common, script="train_ddp.py")
+    assert [m["loss"] for m in ddp] == pytest.approx([m["loss"] for m in fsdp2], rel=1e-5)
+    assert [m["grad_norm"] for m in ddp] == pytest.approx([m["grad_norm"] for m in fsdp2], rel=1e-4)
+    assert fsdp2[-1]["loss"] < fsdp2[0]["loss"] - 1.0  # the steps did train
+    fsdp2_weights = exported_weights(tmp_path / "fsdp2")
+    for key, value in exported_weights(tmp_path / "ddp").items():
+        torch.testing.assert_close(value, fsdp2_weights[key], rtol=1e-4, atol=1e-5, msg=key)
+
+
+@pytest.mark.parametrize("script", ["train_fsdp2.py", "train_ddp.py"])
+def test_two_processes_learn(tmp_path, script):
+    overrides = ["num_train_steps=60", "validation.every_n_steps=60", "export_final_model=false"]
+    metrics = train(tmp_path, *overrides, nproc=2, script=script)
     assert metrics[-1]["step"] == 60 and metrics[-1]["loss"] < LOSS_THRESHOLD, metrics
     assert read_jsonl(tmp_path / "validation.jsonl")[0]["val_loss"] < LOSS_THRESHOLD
 
@@ -64,14 +96,15 @@ def test_activation_recompute_trains_exactly_like_keeping_activations(tmp_path):
     assert plain[-1]["loss"] != plain[0]["loss"]
 
 
-def test_stop_and_go_matches_an_uninterrupted_run(tmp_path):
+@pytest.mark.parametrize("script", ["train_fsdp2.py", "train_ddp.py"])
+def test_stop_and_go_matches_an_uninterrupted_run(tmp_path, script):
     """2 processes, each with its own data cursor; packed batches split windows, so the resumed run starts mid-window.
     4 steps + resume to 8 must give exactly the losses, validation and weights of 8 uninterrupted steps."""
     common = ["dataset.token_budget=300", "lr_scheduler_kwargs.num_warmup_steps=2", "logger.log_every=1"]
     common += ["validation.every_n_steps=4", "validation.max_batches=2"]
-    straight = train(tmp_path / "straight", "num_train_steps=8", *common, nproc=2)
-    train(tmp_path / "resumed", "num_train_steps=4", "export_final_model=false", *common, nproc=2)
-    resumed = train(tmp_path / "resumed", "num_train_steps=8", *common, nproc=2)
+    straight = train(tmp_path / "straight", "num_train_steps=8", *common, nproc=2, script=script)
+    train(tmp_path / "resumed", "num_train_steps=4", "export_final_model=false", *common, nproc=2, script=script)
+    resumed = train(tmp_path / "resumed", "num_train_steps=8", *common, nproc=2, script=script)
     assert [m["step"] for m in resumed] == list(range(1, 9))  # metrics.jsonl is appended to
     # Bit for bit: same data, same order of floating-point operations, same random streams.
     assert [m["loss"] for m in resumed[4:]] == [m["loss"] for m in straight[4:]]
@@ -111,21 +144,23 @@ def test_trains_on_globally_shuffled_parquet_shards(tmp_path):
     assert metrics[-1]["loss"] < LOSS_THRESHOLD, metrics
 
 
-def test_grad_accumulation_equals_one_larger_batch(tmp_path):
+@pytest.mark.parametrize(("script", "nproc"), [("train_fsdp2.py", None), ("train_ddp.py", 2)])
+def test_grad_accumulation_equals_one_larger_batch(tmp_path, script, nproc):
     """2 micro-batches of 2 windows == 1 micro-batch of 4 (BSHD; the windows differ in length and in masked N runs,
-    so the micro-batches score different numbers of tokens and a plain mean of their losses would differ)."""
+    so the micro-batches score different numbers of tokens and a plain mean of their losses would differ). DDP on 2
+    processes: its no_sync micro-batch and the all-reduce of the step's token count."""
     common = ["dataset.input_format=bshd", "num_train_steps=2", "adamw_kwargs.eps=1e-3", "checkpoint.save_final=false"]
     common += ["validation.path=null"]
-    train(tmp_path / "acc", *common, "dataset.micro_batch_size=2", "grad_acc_steps=2")
-    train(tmp_path / "big", *common, "dataset.micro_batch_size=4", "grad_acc_steps=1")
+    train(tmp_path / "acc", *common, "dataset.micro_batch_size=2", "grad_acc_steps=2", script=script, nproc=nproc)
+    train(tmp_path / "big", *common, "dataset.micro_batch_size=4", "grad_acc_steps=1", script=script, nproc=nproc)
     accumulated, single = exported_weights(tmp_path / "acc"), exported_weights(tmp_path / "big")
     for key, value in single.items():
         torch.testing.assert_close(accumulated[key], value, rtol=1e-5, atol=1e-6, msg=key)
-    # Weights kept gathered between the micro-batches (fsdp.reshard_after_*=false): the same step, bit for bit.
-    kept = ["fsdp.reshard_after_forward=false", "fsdp.reshard_after_backward=false"]
-    train(tmp_path / "kept", *common, "dataset.micro_batch_size=2", "grad_acc_steps=2", *kept)
-    for key, value in exported_weights(tmp_path / "kept").items():
-        torch.testing.assert_close(value, accumulated[key], rtol=0, atol=0, msg=key)
+    if script == "train_fsdp2.py":  # weights kept gathered between the micro-batches: the same step, bit for bit
+        kept = ["fsdp.reshard_after_forward=false", "fsdp.reshard_after_backward=false"]
+        train(tmp_path / "kept", *common, "dataset.micro_batch_size=2", "grad_acc_steps=2", *kept)
+        for key, value in exported_weights(tmp_path / "kept").items():
+            torch.testing.assert_close(value, accumulated[key], rtol=0, atol=0, msg=key)
 
 
 def test_context_parallel_run_equals_a_one_process_run(tmp_path):

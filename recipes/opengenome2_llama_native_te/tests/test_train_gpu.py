@@ -1,4 +1,4 @@
-"""train_fsdp2.py, train_cp.py and the evaluation script on GPUs with the TransformerEngine backend (skipped without them).
+"""train_fsdp2.py, train_ddp.py, train_cp.py and the evaluation script on GPUs with the TransformerEngine backend (skipped without them).
 
 The references are those of the CPU tests:
 the loss must fall below ln 4 (which needs context), the export must load and score like the trained model, and the
@@ -51,6 +51,21 @@ def test_te_backend_fsdp2_learns_and_exports(tmp_path, weights):
     on_gpu = evaluate(tmp_path / "final_model", tmp_path / "gpu.json", "--backend", "te", "--device", "cuda")
     on_cpu = evaluate(tmp_path / "final_model", tmp_path / "cpu.json", "--backend", "torch", "--device", "cpu")
     assert on_gpu["precision"] == "bf16" and on_gpu["token_weighted_nll"] < LOSS_THRESHOLD
+    assert on_gpu["token_weighted_nll"] == pytest.approx(on_cpu["token_weighted_nll"], abs=0.03)
+
+
+@pytest.mark.requires_te
+def test_te_backend_ddp_with_the_fused_layers_learns_and_exports(tmp_path):
+    """train_ddp.py as og2_1b_thd's one-GPU benchmark runs it: TE's fused layers (full windows attended as one dense
+    batch), bf16 autocast over fp32 master weights, the model without a wrapper; the export scores as the trained
+    model, with TE on the GPU and with the torch backend on CPU."""
+    fused = ["+model_config_overrides.backend=te", "+model_config_overrides.fused_residual_norm=true"]
+    metrics = train(tmp_path, *GPU_STEPS, *fused, script="train_ddp.py", cpu_only=False)
+    assert metrics[-1]["loss"] < LOSS_THRESHOLD, [round(m["loss"], 3) for m in metrics]
+    assert read_jsonl(tmp_path / "validation.jsonl")[-1]["val_loss"] < LOSS_THRESHOLD
+    on_gpu = evaluate(tmp_path / "final_model", tmp_path / "gpu.json", "--backend", "te", "--device", "cuda")
+    on_cpu = evaluate(tmp_path / "final_model", tmp_path / "cpu.json", "--backend", "torch", "--device", "cpu")
+    assert on_gpu["token_weighted_nll"] < LOSS_THRESHOLD
     assert on_gpu["token_weighted_nll"] == pytest.approx(on_cpu["token_weighted_nll"], abs=0.03)
 
 
@@ -107,8 +122,9 @@ def test_activation_recompute_with_te_trains_exactly_like_keeping_activations(tm
 
 @pytest.mark.requires_multi_gpu
 @pytest.mark.requires_te
-def test_two_gpus_fsdp2_learns(tmp_path):
-    metrics = train(tmp_path, *GPU_STEPS, "export_final_model=false", nproc=2, cpu_only=False)
+@pytest.mark.parametrize("script", ["train_fsdp2.py", "train_ddp.py"])
+def test_two_gpus_learn(tmp_path, script):
+    metrics = train(tmp_path, *GPU_STEPS, "export_final_model=false", nproc=2, script=script, cpu_only=False)
     assert metrics[-1]["loss"] < LOSS_THRESHOLD, [round(m["loss"], 3) for m in metrics]
     assert read_jsonl(tmp_path / "validation.jsonl")[-1]["val_loss"] < LOSS_THRESHOLD
 
