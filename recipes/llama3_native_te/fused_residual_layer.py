@@ -400,56 +400,77 @@ class _SelfAttention(nn.Module):
         # Under GQA, packed_rope.PackedQKVRotary.attach sets this: the rotation then happens in split_qkv's copy.
         self.qkv_rotary = None
 
-    def split_qkv(self, qkv: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        """Query [tokens, heads, head_dim], key and value [tokens, groups, head_dim] for TE's attention.
+    def split_qkv(self, qkv: torch.Tensor, sizes: list[int] | None = None) -> list[tuple[torch.Tensor, ...]]:
+        """(query [tokens, heads, head_dim], key and value [tokens, groups, head_dim]) for TE's attention, one triple
+        per range of ``sizes`` consecutive tokens (None: one range, all tokens), as ``attend`` takes them.
 
         Without GQA they are views of the projection (``SplitPackedQKV``: TE runs its packed-QKV kernels, and their
         gradient is attention's dQKV buffer itself). With GQA a group's query heads are not evenly spaced in the
         buffer, so TE needs them copied out: ``qkv_rotary.rotate_and_split`` rotates queries and keys as it copies
         (one kernel each way, the same bits as rotating in place, then copying and concatenating the gradients; Llama
-        1B training +0.7% on one H200, docs/benchmarks.md); without a rotary batch, plain copies."""
+        1B training +0.7% on one H200, docs/benchmarks.md), each range into tensors of its own, so that the ranges'
+        gradients go back into the projection's without first being joined; without a rotary batch, plain copies."""
         tokens, groups, per_group = qkv.shape[0], self.num_groups, self.num_heads // self.num_groups
+        sizes = [tokens] if sizes is None else list(sizes)
+        split = None
         if per_group == 1:
-            return SplitPackedQKV.apply(qkv.view(tokens, groups, 3, self.head_dim), -2)
-        split = self.qkv_rotary.rotate_and_split(qkv) if self.qkv_rotary is not None else None
-        if split is not None:
-            return split
-        query, key, value = qkv.view(tokens, groups, per_group + 2, self.head_dim).split([per_group, 1, 1], dim=2)
-        return (
-            query.reshape(tokens, self.num_heads, self.head_dim),
-            key.reshape(tokens, groups, self.head_dim).contiguous(),
-            value.reshape(tokens, groups, self.head_dim).contiguous(),
-        )
+            split = SplitPackedQKV.apply(qkv.view(tokens, groups, 3, self.head_dim), -2)
+        elif self.qkv_rotary is not None:
+            split = self.qkv_rotary.rotate_and_split(qkv, sizes)
+            if split is not None:
+                return [tuple(split[index : index + 3]) for index in range(0, len(split), 3)]
+        if split is None:
+            query, key, value = qkv.view(tokens, groups, per_group + 2, self.head_dim).split([per_group, 1, 1], dim=2)
+            split = (
+                query.reshape(tokens, self.num_heads, self.head_dim),
+                key.reshape(tokens, groups, self.head_dim).contiguous(),
+                value.reshape(tokens, groups, self.head_dim).contiguous(),
+            )
+        return [tuple(split)] if len(sizes) == 1 else list(zip(*(t.split(sizes) for t in split)))
 
-    def attend(self, query, key, value, boundaries: dict, leading_full_sequences: int = 0) -> torch.Tensor:
-        """Attention over the packed sequences: [tokens, heads * head_dim].
-
-        With ``leading_full_sequences`` = n > 0 (the first n sequences are ``max_seqlen_q`` tokens long) those run as
-        one dense [n, max_seqlen_q] batch (TE's BSHD path; cuDNN 9.14 runs causal BSHD ~10% faster than the same
-        work packed, docs/benchmarks.md) and the sequences after them as a packed batch of their own; their outputs
-        are joined (one copy each way). Same results as one packed call, up to the order of cuDNN's sums.
-        """
-        n, length = leading_full_sequences, boundaries["max_seqlen_q"]
+    def dense_sequences(self, boundaries: dict, leading_full_sequences: int) -> int:
+        """How many leading sequences ``attend`` runs as one dense batch: ``leading_full_sequences`` (the first
+        sequences, all ``max_seqlen_q`` tokens long) where the batch allows it (self-attention, no padding between
+        sequences), else 0."""
         cu_seqlens = boundaries["cu_seqlens_q"]
         self_attention = boundaries["cu_seqlens_kv"] is None or boundaries["cu_seqlens_kv"] is cu_seqlens
         unpadded = boundaries["cu_seqlens_q_padded"] is None and boundaries["cu_seqlens_kv_padded"] is None
-        if not (n and self_attention and unpadded and boundaries["max_seqlen_kv"] == length):
+        same_length = boundaries["max_seqlen_kv"] == boundaries["max_seqlen_q"]
+        return leading_full_sequences if self_attention and unpadded and same_length else 0
+
+    def attend(
+        self, parts: list[tuple[torch.Tensor, ...]], boundaries: dict, dense_sequences: int = 0
+    ) -> torch.Tensor:
+        """Attention over the packed sequences: [tokens, heads * head_dim], from ``split_qkv``'s ``parts``.
+
+        With ``dense_sequences`` = n > 0 (``dense_sequences()``: the first n sequences are ``max_seqlen_q`` tokens
+        long) ``parts`` holds their n * max_seqlen_q tokens' query, key and value, then (unless nothing is left)
+        those of the rest. The first run as one dense [n, max_seqlen_q] batch (TE's BSHD path; cuDNN 9.14 runs causal
+        BSHD ~10% faster than the same work packed, docs/benchmarks.md), the rest as a packed batch of its own; their
+        outputs are joined (one copy). Same results as one packed call, up to the order of cuDNN's sums. With n = 0,
+        one part: one packed call.
+        """
+        if not dense_sequences:
+            (query, key, value), *more = parts
+            if more:
+                raise ValueError("attend() takes one part of query, key and value without dense sequences")
             return self.core_attention(
                 query, key, value, qkv_format="thd", attn_mask_type=self.mask_type, **boundaries
             )
+        n, length = dense_sequences, boundaries["max_seqlen_q"]
         dense_tokens = n * length
-        rest_tokens = query.shape[0] - dense_tokens
-        pieces = [t.split([dense_tokens, rest_tokens]) for t in (query, key, value)]
+        if parts[0][0].shape[0] != dense_tokens or len(parts) > 2:
+            raise ValueError(f"attend() takes the {dense_tokens} tokens of {n} dense sequences, then the rest")
         dense = self.core_attention(
-            *(first.view(n, length, *first.shape[1:]) for first, _ in pieces),
+            *(t.view(n, length, *t.shape[1:]) for t in parts[0]),
             qkv_format="bshd",
             attn_mask_type="causal" if "causal" in self.mask_type else "no_mask",
         ).view(dense_tokens, -1)
-        if not rest_tokens:
+        if len(parts) == 1:
             return dense
-        rest_cu_seqlens = cu_seqlens[n:] - dense_tokens
+        rest_cu_seqlens = boundaries["cu_seqlens_q"][n:] - dense_tokens
         rest = self.core_attention(
-            *(second for _, second in pieces),
+            *parts[1],
             qkv_format="thd",
             attn_mask_type=self.mask_type,
             cu_seqlens_q=rest_cu_seqlens,
@@ -577,7 +598,6 @@ class FusedResidualTransformerLayer(nn.Module):
             pending_residual = pending_residual.to(dtype) if pending_residual is not None else None
         attention = self.self_attention
         qkv, residual = attention.layernorm_qkv(hidden_states, pending_residual)
-        query, key, value = attention.split_qkv(qkv)
         boundaries = {
             "cu_seqlens_q": cu_seqlens_q,
             "cu_seqlens_kv": cu_seqlens_kv if cu_seqlens_kv is not None else cu_seqlens_q,
@@ -586,6 +606,9 @@ class FusedResidualTransformerLayer(nn.Module):
             "max_seqlen_q": max_seqlen_q,
             "max_seqlen_kv": max_seqlen_kv if max_seqlen_kv is not None else max_seqlen_q,
         }
-        context = attention.attend(query, key, value, boundaries, leading_full_sequences)
+        dense = attention.dense_sequences(boundaries, leading_full_sequences)
+        dense_tokens = dense * boundaries["max_seqlen_q"]
+        sizes = [size for size in (dense_tokens, qkv.shape[0] - dense_tokens) if size] or None
+        context = attention.attend(attention.split_qkv(qkv, sizes), boundaries, dense)
         mlp_out, total = self.layernorm_mlp(attention.proj(context), residual)
         return (mlp_out, total) if defer_residual else total + mlp_out

@@ -279,44 +279,65 @@ def _run_split_kernel(grouped, query, key, value, positions, cos, sin, groups, p
     )
 
 
+def _token_ranges(sizes: tuple[int, ...]) -> list[tuple[int, int]]:
+    """``(start, end)`` of consecutive token ranges of the given sizes."""
+    ends = [sum(sizes[: index + 1]) for index in range(len(sizes))]
+    return list(zip([0, *ends[:-1]], ends))
+
+
 class _RotateSplitGroupedQKV(torch.autograd.Function):
-    """Grouped QKV projection -> rotated query, rotated key, value (three new contiguous tensors), and back."""
+    """Grouped QKV projection -> rotated query, rotated key, value (three new contiguous tensors) for each of
+    consecutive token ranges (``sizes``), and back: each range's gradients are written into its rows of the one
+    grouped gradient by a launch of their own, so nothing concatenates them first."""
 
     @staticmethod
-    def forward(ctx, qkv, positions, cos, sin, num_heads: int, head_dim: int, num_groups: int | None):
+    def forward(ctx, qkv, positions, cos, sin, num_heads: int, head_dim: int, num_groups, sizes: tuple[int, ...]):
         groups, per_group = _check_grouped(qkv, positions, num_heads, head_dim, num_groups)
-        tokens = qkv.shape[0]
-        query = qkv.new_empty(tokens, num_heads, head_dim)
-        key = qkv.new_empty(tokens, groups, head_dim)
-        value = qkv.new_empty(tokens, groups, head_dim)
-        _run_split_kernel(qkv, query, key, value, positions, cos, sin, groups, per_group, head_dim, False)
+        outputs = []
+        for start, end in _token_ranges(sizes):
+            query = qkv.new_empty(end - start, num_heads, head_dim)
+            key = qkv.new_empty(end - start, groups, head_dim)
+            value = qkv.new_empty(end - start, groups, head_dim)
+            rows = slice(start, end)
+            _run_split_kernel(
+                qkv[rows], query, key, value, positions[rows], cos, sin, groups, per_group, head_dim, False
+            )
+            outputs += [query, key, value]
         ctx.save_for_backward(positions, cos, sin)
-        ctx.layout = (groups, per_group, head_dim)
-        return query, key, value
+        ctx.layout = (groups, per_group, head_dim, qkv.dtype, sizes)
+        return tuple(outputs)
 
     @staticmethod
-    def backward(ctx, grad_query, grad_key, grad_value):
+    def backward(ctx, *grads):
         positions, cos, sin = ctx.saved_tensors
-        groups, per_group, head_dim = ctx.layout
-        present = next(g for g in (grad_query, grad_key, grad_value) if g is not None)
-        tokens = present.shape[0]
-        grads = []
-        for grad, heads in ((grad_query, groups * per_group), (grad_key, groups), (grad_value, groups)):
-            if grad is None:  # an output that did not reach the loss
-                grad = present.new_zeros(tokens, heads, head_dim)
-            grads.append(grad if grad.stride(-1) == 1 else grad.contiguous())  # any token and head strides
-        grouped = present.new_empty(tokens, groups * (per_group + 2) * head_dim)
-        _run_split_kernel(grouped, *grads, positions, cos, sin, groups, per_group, head_dim, True)
-        return grouped, None, None, None, None, None, None
+        groups, per_group, head_dim, dtype, sizes = ctx.layout
+        grouped = positions.new_empty(sum(sizes), groups * (per_group + 2) * head_dim, dtype=dtype)
+        for index, (start, end) in enumerate(_token_ranges(sizes)):
+            rows, range_grads = slice(start, end), []
+            for grad, heads in zip(grads[3 * index : 3 * index + 3], (groups * per_group, groups, groups)):
+                if grad is None:  # an output that did not reach the loss
+                    grad = grouped.new_zeros(end - start, heads, head_dim)
+                range_grads.append(grad if grad.stride(-1) == 1 else grad.contiguous())  # any token and head strides
+            _run_split_kernel(
+                grouped[rows], *range_grads, positions[rows], cos, sin, groups, per_group, head_dim, True
+            )
+        return grouped, None, None, None, None, None, None, None
 
 
 def rotate_split_qkv(
-    qkv, positions, cos, sin, num_heads: int, head_dim: int, num_groups: int | None = None
-) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    qkv, positions, cos, sin, num_heads: int, head_dim: int, num_groups: int | None = None, sizes=None
+) -> tuple[torch.Tensor, ...]:
     """Query [tokens, heads, head_dim] and key [tokens, groups, head_dim] rotated as ``rotate_query_key_`` rotates
     them, and value [tokens, groups, head_dim], as new contiguous tensors read from ``qkv`` (the grouped projection,
-    which is not modified) in one pass; the backward writes their gradients into the grouped layout in one pass."""
-    return _RotateSplitGroupedQKV.apply(qkv, positions, cos, sin, num_heads, head_dim, num_groups)
+    which is not modified) in one pass; the backward writes their gradients into the grouped layout in one pass.
+
+    ``sizes`` (token counts summing to the tokens): the three for each of these consecutive token ranges, in turn
+    (query, key, value of the first range, then of the next), each range's tensors on their own; the backward then
+    takes each range's gradients where its attention call left them. None: one range, all tokens."""
+    sizes = (qkv.shape[0],) if sizes is None else tuple(int(size) for size in sizes)
+    if sum(sizes) != qkv.shape[0] or min(sizes) < 0:
+        raise ValueError(f"token ranges {list(sizes)} must be counts that add up to the {qkv.shape[0]} tokens")
+    return _RotateSplitGroupedQKV.apply(qkv, positions, cos, sin, num_heads, head_dim, num_groups, sizes)
 
 
 def rotate_query_key_reference(
@@ -385,12 +406,12 @@ class PackedQKVRotary:
         angles = freqs.reshape(freqs.shape[0], -1)[:, : self.head_dim // 2].float()
         self._batch = (positions, torch.cos(angles).contiguous(), torch.sin(angles).contiguous())
 
-    def rotate_and_split(self, qkv: torch.Tensor):
-        """``rotate_split_qkv`` with this batch's positions; None while no batch is set (the caller then splits the
-        projection unrotated, as the hook would leave it)."""
+    def rotate_and_split(self, qkv: torch.Tensor, sizes=None):
+        """``rotate_split_qkv`` (over the token ranges ``sizes``) with this batch's positions; None while no batch is
+        set (the caller then splits the projection unrotated, as the hook would leave it)."""
         if self._batch is None:
             return None
-        return rotate_split_qkv(qkv, *self._batch, self.num_heads, self.head_dim, self.num_groups)
+        return rotate_split_qkv(qkv, *self._batch, self.num_heads, self.head_dim, self.num_groups, sizes)
 
     def _rotate_projection(self, module, args, output):
         if self._batch is None:

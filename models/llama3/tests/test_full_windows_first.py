@@ -63,6 +63,13 @@ def test_the_hint_is_refused_for_padded_input():
         pack_inputs(ids, torch.ones_like(ids), None, None, None, 0, leading_full_sequences=2)
 
 
+def _parts(leaves, dense_tokens: int):
+    """``split_qkv``'s parts of query, key and value (views of ``leaves``): the dense tokens, then the rest."""
+    tokens = leaves[0].shape[0]
+    sizes = [size for size in (dense_tokens, tokens - dense_tokens) if size]
+    return list(zip(*(leaf.split(sizes) for leaf in leaves)))
+
+
 def _split_against_one_call(lengths, leading, heads=8, groups=2, head_dim=16):
     """``attend``'s output and q/k/v gradients with the hint, and those of one packed call (the plain path)."""
     torch.manual_seed(0)
@@ -91,7 +98,7 @@ def _split_against_one_call(lengths, leading, heads=8, groups=2, head_dim=16):
     results = []
     for hint in (leading, 0):
         leaves = [t.clone().requires_grad_(True) for t in inputs]
-        out = _SelfAttention.attend(stub, *leaves, boundaries, hint)
+        out = _SelfAttention.attend(stub, _parts(leaves, hint * max(lengths)), boundaries, hint)
         out.backward(grad)
         results.append((out.detach(), *(leaf.grad for leaf in leaves)))
     return results
@@ -218,7 +225,7 @@ def test_split_attention_at_llama_1b_heads_equals_one_packed_call():
     results = []
     for hint in (3, 0, 0):  # the last packed call twice: TE's path first, then the direct one
         leaves = [t.clone().requires_grad_(True) for t in inputs]
-        out = _SelfAttention.attend(stub, *leaves, boundaries, hint)
+        out = _SelfAttention.attend(stub, _parts(leaves, hint * 8192), boundaries, hint)
         out.backward(grad)
         results.append([out.detach()] + [leaf.grad for leaf in leaves])
     split, _, whole = results

@@ -119,6 +119,49 @@ def test_rotate_split_gives_the_rotated_split_and_its_gradient(interpreted_kerne
     torch.testing.assert_close(kernel_leaf.grad, reference_leaf.grad, rtol=1e-6, atol=1e-6)
 
 
+def test_rotate_split_over_token_ranges_gives_each_range_its_own_tensors_and_the_same_gradient(interpreted_kernel):
+    """``sizes`` (the fused layers' dense windows, then the packed rest): each range's query, key and value are tensors
+    of their own (at the start of their buffer, so TE's attention takes them without a copy) holding the rows of the
+    one-range split bit for bit, and the gradients of the ranges, handed back separately (one of them strided, one
+    missing), make the grouped gradient the one-range split makes of the same gradients joined, bit for bit. Through
+    ``_SelfAttention.split_qkv`` as the layer calls it; wrong ranges are refused."""
+    from llama3_te.fused_residual_layer import _SelfAttention
+
+    heads, groups, head_dim = 8, 2, 16
+    torch.manual_seed(0)
+    config = _config(num_attention_heads=heads, num_key_value_heads=groups, hidden_size=heads * head_dim)
+    cos, sin = rotary_halves(config_rotary_table(config, max(LENGTHS)))
+    rotary = packed_rope.PackedQKVRotary(heads, head_dim, num_groups=groups)
+    rotary._batch = (POSITIONS, cos, sin)
+    attention = type("Attention", (), {"num_heads": heads, "num_groups": groups, "head_dim": head_dim})()
+    attention.qkv_rotary = rotary
+    qkv = torch.randn(len(POSITIONS), (heads + 2 * groups) * head_dim)
+    sizes = [7, 5]  # the first two sequences, then the third
+
+    whole_leaf, ranges_leaf = qkv.clone().requires_grad_(True), qkv.clone().requires_grad_(True)
+    (whole,) = _SelfAttention.split_qkv(attention, whole_leaf)
+    parts = _SelfAttention.split_qkv(attention, ranges_leaf, sizes)
+    assert len(parts) == 2
+    for (start, end), part in zip([(0, 7), (7, 12)], parts):
+        for tensor, full in zip(part, whole):
+            assert tensor.is_contiguous() and tensor.storage_offset() == 0
+            assert torch.equal(tensor, full[start:end])
+
+    grads = [torch.randn_like(t) for t in whole]
+    grads[2][7:] = 0  # the second range's value gradient is left out below: it counts as zeros
+    torch.autograd.backward(list(whole), grads)
+    second_query_grad = grads[0][7:].transpose(0, 1).contiguous().transpose(0, 1)  # strided rows
+    torch.autograd.backward(
+        [*parts[0], parts[1][0], parts[1][1]],
+        [grads[0][:7], grads[1][:7], grads[2][:7], second_query_grad, grads[1][7:]],
+    )
+    assert torch.equal(ranges_leaf.grad, whole_leaf.grad)
+
+    for wrong in ([7, 4], [13, -1]):
+        with pytest.raises(ValueError, match="must be counts that add up to the 12 tokens"):
+            packed_rope.rotate_split_qkv(qkv, POSITIONS, cos, sin, heads, head_dim, groups, wrong)
+
+
 def test_gqa_fused_layers_take_the_split_path_and_others_keep_the_hook():
     """``PackedQKVRotary.attach`` hands a layer that splits the projection itself (an attention with a
     ``qkv_rotary`` slot) the rotary under GQA, and hooks the projection otherwise (TE's layers; no GQA)."""
