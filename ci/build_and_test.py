@@ -90,6 +90,7 @@ class Result:
     seconds: float
     status: str
     ok: bool
+    failures: tuple[str, ...] = ()  # "test id: first line of the message", one per failed or erroring test
 
 
 # ---------------------------------------------------------------------------------------------------- discovery
@@ -292,6 +293,34 @@ def parse_junit(path: Path) -> tuple[int, int, int] | None:
     return tests - failed - skipped, failed, skipped
 
 
+FAILURE_TAIL_LINES = 12  # of each failure's report, printed again at the end of the log
+FAILURES_WITH_TAILS = 3
+
+
+def failed_tests(path: Path) -> list[str]:
+    """What failed, from a JUnit report, for the end of a long CI log (often all that a CI page shows): for each
+    failed or erroring test case ``classname::name: first line of the message``; the first few also get the last
+    lines of their report, where a launched script's failure leaves the end of its stderr."""
+    try:
+        root = ET.parse(path).getroot()
+    except (OSError, ET.ParseError):
+        return []
+    failures = []
+    for case in root.iter("testcase"):
+        problem = case.find("failure")
+        if problem is None:
+            problem = case.find("error")
+        if problem is None:
+            continue
+        message = (problem.get("message") or problem.text or "").strip().splitlines()
+        failure = f"{case.get('classname')}::{case.get('name')}: {message[0][:200] if message else problem.tag}"
+        if len(failures) < FAILURES_WITH_TAILS:
+            tail = (problem.text or "").rstrip().splitlines()[-FAILURE_TAIL_LINES:]
+            failure += "".join(f"\n      | {line[:300]}" for line in tail)
+        failures.append(failure)
+    return failures
+
+
 def _status(rc: int | None, component: Component, markexpr: str | None) -> tuple[str, bool]:
     if rc is None:
         return "TIMEOUT", False
@@ -365,7 +394,7 @@ def run_component(component: Component, args, venv: Path | None, docker: bool, r
     passed, failed, skipped = parse_junit(report) or (0, 0, 0)
     if not ok:
         failed = max(failed, 1)  # the component itself failed even if no test case says so
-    return Result(component.name, passed, failed, skipped, seconds, status, ok)
+    return Result(component.name, passed, failed, skipped, seconds, status, ok, tuple(failed_tests(report)))
 
 
 def totals_line(results: list[Result]) -> str:
@@ -382,6 +411,10 @@ def print_summary(results: list[Result]) -> None:
     for r in results:
         print(f"{r.component:<{width}}  {r.passed:>6}  {r.failed:>6}  {r.skipped:>7}  {r.seconds:>8.1f}  {r.status}")
     print("-" * len(header))
+    failures = [f"{r.component}: {failure}" for r in results for failure in r.failures]
+    if failures:
+        print("Failed tests (the full reports are in the log above and in " + REPORTS_DIR + "/):")
+        print("\n".join(f"  {failure}" for failure in failures))
 
 
 # ----------------------------------------------------------------------------------------------------- main

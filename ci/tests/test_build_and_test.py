@@ -126,7 +126,12 @@ def test_failing_test_fails_the_run(tmp_path):
     )
     proc = run_ci(tmp_path)
     assert proc.returncode == 1
-    assert "FAIL" in proc.stdout.split("Summary")[1]
+    summary = proc.stdout.split("Summary")[1]
+    assert "FAIL" in summary
+    # The end of the log names the failed test and its message, for CI pages that show only the tail.
+    assert "alpha: tests.test_x::test_bad: assert [1, 2] == [2, 1]" in summary, summary
+    assert "test_one" not in summary
+    assert "      | E       assert [1, 2] == [2, 1]" in summary, summary  # the end of its report
     assert last_line(proc) == "1 passed, 1 failed"
 
 
