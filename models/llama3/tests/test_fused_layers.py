@@ -130,9 +130,10 @@ def test_rotate_split_over_token_ranges_gives_each_range_its_own_tensors_and_the
     heads, groups, head_dim = 8, 2, 16
     torch.manual_seed(0)
     config = _config(num_attention_heads=heads, num_key_value_heads=groups, hidden_size=heads * head_dim)
-    cos, sin = rotary_halves(config_rotary_table(config, max(LENGTHS)))
+    table = config_rotary_table(config, max(LENGTHS))
+    cos, sin = rotary_halves(table)
     rotary = packed_rope.PackedQKVRotary(heads, head_dim, num_groups=groups)
-    rotary._batch = (POSITIONS, cos, sin)
+    rotary.set_batch(POSITIONS, table)
     attention = type("Attention", (), {"num_heads": heads, "num_groups": groups, "head_dim": head_dim})()
     attention.qkv_rotary = rotary
     qkv = torch.randn(len(POSITIONS), (heads + 2 * groups) * head_dim)
