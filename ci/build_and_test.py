@@ -28,7 +28,9 @@ Examples::
 
 The last line printed is always ``N passed, N failed`` (plus ``, N skipped`` when tests were skipped). A
 component that times out, cannot be collected, or collects no tests although it has test files counts as at
-least one failure there, and makes the exit status non-zero.
+least one failure there, and makes the exit status non-zero. In local mode a component's few failed tests (at most
+MAX_RERUN_FAILURES) run once more, alone; if they pass then, the summary lists them as flaky and the component
+passes (``--no-rerun``: no second run).
 
 This file uses only the standard library: it has to run before the virtual environment exists.
 """
@@ -90,7 +92,8 @@ class Result:
     seconds: float
     status: str
     ok: bool
-    failures: tuple[str, ...] = ()  # "test id: first line of the message", one per failed or erroring test
+    failures: tuple[str, ...] = ()  # what failed: the test's id, the first line of its message (and its report's end)
+    flaky: tuple[str, ...] = ()  # the same, for tests that failed and then passed when run once more
 
 
 # ---------------------------------------------------------------------------------------------------- discovery
@@ -295,12 +298,20 @@ def parse_junit(path: Path) -> tuple[int, int, int] | None:
 
 FAILURE_TAIL_LINES = 12  # of each failure's report, printed again at the end of the log
 FAILURES_WITH_TAILS = 3
+# A component with more failed tests than this is broken, not flaky: its failures are not run again.
+MAX_RERUN_FAILURES = 3
 
 
-def failed_tests(path: Path) -> list[str]:
-    """What failed, from a JUnit report, for the end of a long CI log (often all that a CI page shows): for each
-    failed or erroring test case ``classname::name: first line of the message``; the first few also get the last
-    lines of their report, where a launched script's failure leaves the end of its stderr."""
+@dataclass
+class FailedTest:
+    node_id: str | None  # pytest's id relative to the component folder (``tests/test_x.py::test_y[a]``); None: unknown
+    description: str  # ``classname::name: first line of the message`` (and, for the first few, the report's end)
+
+
+def failed_tests(path: Path, component_path: Path) -> list[FailedTest]:
+    """The failed or erroring test cases of a JUnit report. Their descriptions are for the end of a long CI log
+    (often all that a CI page shows); the first few also get the last lines of their report, where a launched
+    script's failure leaves the end of its stderr."""
     try:
         root = ET.parse(path).getroot()
     except (OSError, ET.ParseError):
@@ -312,13 +323,29 @@ def failed_tests(path: Path) -> list[str]:
             problem = case.find("error")
         if problem is None:
             continue
+        classname, name = case.get("classname", ""), case.get("name", "")
         message = (problem.get("message") or problem.text or "").strip().splitlines()
-        failure = f"{case.get('classname')}::{case.get('name')}: {message[0][:200] if message else problem.tag}"
+        test = f"{classname}::{name}" if classname else name
+        description = f"{test}: {message[0][:200] if message else problem.tag}"
         if len(failures) < FAILURES_WITH_TAILS:
             tail = (problem.text or "").rstrip().splitlines()[-FAILURE_TAIL_LINES:]
-            failure += "".join(f"\n      | {line[:300]}" for line in tail)
-        failures.append(failure)
+            description += "".join(f"\n      | {line[:300]}" for line in tail)
+        failures.append(FailedTest(node_id(component_path, classname, name), description))
     return failures
+
+
+def node_id(component_path: Path, classname: str, name: str) -> str | None:
+    """pytest's id of a JUnit test case: ``tests.test_x.TestGroup`` + ``test_y[a]`` is
+    ``tests/test_x.py::TestGroup::test_y[a]`` when ``tests/test_x.py`` is a file of the component; else None (a
+    collection error has no test function to name)."""
+    parts = [part for part in classname.split(".") if part]
+    if not parts or not name:
+        return None
+    for split in range(len(parts), 0, -1):  # the longest dotted prefix that is a module file
+        module = Path(*parts[:split]).with_suffix(".py")
+        if (component_path / module).is_file():
+            return "::".join([module.as_posix(), *parts[split:], name])
+    return None
 
 
 def _status(rc: int | None, component: Component, markexpr: str | None) -> tuple[str, bool]:
@@ -364,6 +391,7 @@ def run_component(component: Component, args, venv: Path | None, docker: bool, r
     report.unlink(missing_ok=True)  # never count a stale report
     pytest_args = ["-v", "."] + (["-m", args.markexpr] if args.markexpr else [])
     env = _local_env(venv)
+    python = str(venv / "bin" / "python") if venv is not None else sys.executable
     start = time.monotonic()
 
     if docker:
@@ -380,21 +408,60 @@ def run_component(component: Component, args, venv: Path | None, docker: bool, r
         remaining = args.timeout - (time.monotonic() - start)
         rc = _run_step(cmd, component.path, env, remaining, container=container)
     else:
-        python = str(venv / "bin" / "python") if venv is not None else sys.executable
         # The component folder is both working directory and rootdir, so its flat modules import as top-level
         # names (``python -m pytest`` puts the working directory on sys.path) without meeting another's.
         cmd = [python, "-m", "pytest", *pytest_args, *xdist_args(args.workers), "--rootdir", str(component.path)]
         cmd += [f"--junitxml={report}", "-o", f"junit_suite_name={component.name}"]
         rc = _run_step(cmd, component.path, env, args.timeout)
 
-    seconds = time.monotonic() - start
     status, ok = _status(rc, component, args.markexpr)
     if rc is None:
         status = f"TIMEOUT (> {args.timeout:g}s)"
     passed, failed, skipped = parse_junit(report) or (0, 0, 0)
+    failures = failed_tests(report, component.path)
+    flaky: list[FailedTest] = []
+    if rc == 1 and not docker and args.rerun:
+        rerun = rerun_failures(
+            component, args, python, env, failures, report, args.timeout - (time.monotonic() - start)
+        )
+        if rerun is True:
+            flaky, failures = failures, []
+            flaky_tests = len({failure.node_id for failure in flaky})
+            passed, failed, ok = passed + flaky_tests, 0, True
+            status = f"PASS ({flaky_tests} flaky)"
+        elif rerun is False:
+            status = "FAIL (failed again when run alone)"
     if not ok:
         failed = max(failed, 1)  # the component itself failed even if no test case says so
-    return Result(component.name, passed, failed, skipped, seconds, status, ok, tuple(failed_tests(report)))
+    seconds = time.monotonic() - start
+    return Result(
+        component.name, passed, failed, skipped, seconds, status, ok,
+        failures=tuple(failure.description for failure in failures),
+        flaky=tuple(failure.description for failure in flaky),
+    )  # fmt: skip
+
+
+def rerun_failures(
+    component: Component, args, python: str, env: dict, failures: list[FailedTest], report: Path, timeout: float
+) -> bool | None:
+    """Run a component's few failed tests once more, alone, one after another, in a fresh pytest process: True if
+    every one passes (the failures were flaky: a rare crash of a launched process, say), False if not, None when
+    they are not run again (more than MAX_RERUN_FAILURES of them, or one without a test id: a collection error).
+
+    Rare failures that no local run repeats have failed whole CI runs here: a launched two-rank gloo run that aborted
+    in C++ with nothing of ours on its stack, and a test of a component that nothing had changed. A real failure
+    fails twice. The summary names flaky tests, with their first failure, so that they can be looked into."""
+    ids = list(dict.fromkeys(failure.node_id for failure in failures))  # a failed test can also error in teardown
+    if not ids or len(ids) > MAX_RERUN_FAILURES or None in ids:
+        return None
+    print(f"----- {component.name}: {len(ids)} failed; running {'it' if len(ids) == 1 else 'them'} once more, alone")
+    rerun_report = report.with_name(report.stem + ".rerun.xml")
+    rerun_report.unlink(missing_ok=True)
+    cmd = [python, "-m", "pytest", "-v", *ids, *(["-m", args.markexpr] if args.markexpr else [])]
+    cmd += ["--rootdir", str(component.path), f"--junitxml={rerun_report}"]
+    rc = _run_step(cmd, component.path, env, timeout)
+    counts = parse_junit(rerun_report)
+    return rc == 0 and counts is not None and counts[:2] == (len(ids), 0)
 
 
 def totals_line(results: list[Result]) -> str:
@@ -411,6 +478,10 @@ def print_summary(results: list[Result]) -> None:
     for r in results:
         print(f"{r.component:<{width}}  {r.passed:>6}  {r.failed:>6}  {r.skipped:>7}  {r.seconds:>8.1f}  {r.status}")
     print("-" * len(header))
+    flaky = [f"{r.component}: {failure}" for r in results for failure in r.flaky]
+    if flaky:
+        print("Flaky tests (failed, then passed when run again alone; their first failure, to look into):")
+        print("\n".join(f"  {failure}" for failure in flaky))
     failures = [f"{r.component}: {failure}" for r in results for failure in r.failures]
     if failures:
         print("Failed tests (the full reports are in the log above and in " + REPORTS_DIR + "/):")
@@ -445,6 +516,13 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
         "--timeout", type=float, default=1800, help="seconds per component, against hangs (default: 1800)"
     )
     parser.add_argument("--list", action="store_true", help="print the selected components and exit")
+    parser.add_argument(
+        "--no-rerun",
+        dest="rerun",
+        action="store_false",
+        help=f"fail on a test's first failure (default, local mode: a component's failed tests, up to "
+        f"{MAX_RERUN_FAILURES}, run once more alone; passing then, they are reported as flaky)",
+    )
     parser.add_argument(
         "--workers",
         type=int,

@@ -132,7 +132,60 @@ def test_failing_test_fails_the_run(tmp_path):
     assert "alpha: tests.test_x::test_bad: assert [1, 2] == [2, 1]" in summary, summary
     assert "test_one" not in summary
     assert "      | E       assert [1, 2] == [2, 1]" in summary, summary  # the end of its report
+    assert "alpha: 1 failed; running it once more, alone" in proc.stdout
+    assert "FAIL (failed again when run alone)" in summary
     assert last_line(proc) == "1 passed, 1 failed"
+
+
+FLAKY_TESTS = """
+    from pathlib import Path
+
+    import pytest
+
+    def test_one():
+        assert 1 + 1 == 2
+
+    class TestGroup:
+        @pytest.mark.parametrize("case", ["first run fails"])
+        def test_flaky(self, case):
+            marker = Path(__file__).with_name("failed_once")
+            if not marker.exists():
+                marker.write_text("")
+                raise AssertionError(case)
+"""
+
+
+def test_a_test_that_fails_once_passes_when_run_again_alone_and_is_reported_flaky(tmp_path):
+    folder = make_component(tmp_path, "models/alpha", {"tests/test_x.py": FLAKY_TESTS})
+    proc = run_ci(tmp_path)
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    summary = proc.stdout.split("Summary")[1]
+    assert "PASS (1 flaky)" in summary
+    flaky = summary.split("Flaky tests")[1]
+    assert "alpha: tests.test_x.TestGroup::test_flaky[first run fails]: AssertionError: first run fails" in flaky
+    assert "Failed tests" not in summary
+    # Only the failed test ran again, by its pytest id (a class and a parameter in it).
+    second_run = proc.stdout.split("alpha: 1 failed; running it once more, alone")[1].split("Summary")[0]
+    assert "tests/test_x.py::TestGroup::test_flaky[first run fails] PASSED" in second_run
+    assert "test_one" not in second_run
+    rerun = ET.parse(tmp_path / "ci" / "reports" / "alpha.rerun.xml").getroot().find("testsuite")
+    assert rerun is not None and (rerun.get("tests"), rerun.get("failures")) == ("1", "0")
+    assert last_line(proc) == "2 passed, 0 failed"
+
+    (folder / "tests" / "failed_once").unlink()
+    strict = run_ci(tmp_path, "--no-rerun")
+    assert strict.returncode == 1 and "once more" not in strict.stdout
+    assert last_line(strict) == "1 passed, 1 failed"
+
+
+def test_more_failures_than_a_flake_makes_are_not_run_again(tmp_path):
+    many = "import pytest\n\n@pytest.mark.parametrize('n', range(4))\ndef test_bad(n):\n    assert n < 0\n"
+    make_component(tmp_path, "models/alpha", {"tests/test_x.py": many})
+    proc = run_ci(tmp_path)
+    assert proc.returncode == 1 and "once more" not in proc.stdout
+    summary = proc.stdout.split("Summary")[1]
+    assert summary.count("alpha: tests.test_x::test_bad[") == 4
+    assert last_line(proc) == "0 passed, 4 failed"
 
 
 def test_collection_error_fails_the_run(tmp_path):
@@ -143,6 +196,8 @@ def test_collection_error_fails_the_run(tmp_path):
     broken = next(line for line in proc.stdout.split("Summary")[1].splitlines() if line.startswith("broken"))
     # One pytest process exits 2 on a collection error; with pytest-xdist workers the error is a failed test (exit 1).
     assert broken.endswith(("ERROR (pytest exit 2)", "FAIL")), broken
+    assert "once more" not in proc.stdout  # a module that cannot be imported is broken, not flaky
+    assert "broken: tests.test_x: collection failure" in proc.stdout.split("Summary")[1] or "pytest exit 2" in broken
     assert last_line(proc) == "1 passed, 1 failed"
 
 
