@@ -47,9 +47,10 @@ import signal
 import subprocess
 import sys
 import time
-import xml.etree.ElementTree as ET
 from dataclasses import dataclass
 from pathlib import Path
+
+from junit_report import FailedTest, failed_tests, parse_junit
 
 
 REPO_ROOT = Path(__file__).resolve().parent.parent
@@ -281,71 +282,8 @@ def _run_step(cmd: list[str], cwd: Path, env: dict, timeout: float, container: s
         _signal_group(proc.pid, signal.SIGKILL)  # stragglers such as orphaned torchrun workers
 
 
-def parse_junit(path: Path) -> tuple[int, int, int] | None:
-    """(passed, failed, skipped) from a pytest JUnit XML report; errors count as failures."""
-    try:
-        root = ET.parse(path).getroot()
-    except (OSError, ET.ParseError):
-        return None
-    suites = [root] if root.tag == "testsuite" else list(root.iter("testsuite"))
-    tests = failed = skipped = 0
-    for suite in suites:
-        tests += int(suite.get("tests", 0))
-        failed += int(suite.get("failures", 0)) + int(suite.get("errors", 0))
-        skipped += int(suite.get("skipped", 0))
-    return tests - failed - skipped, failed, skipped
-
-
-FAILURE_TAIL_LINES = 12  # of each failure's report, printed again at the end of the log
-FAILURES_WITH_TAILS = 3
 # A component with more failed tests than this is broken, not flaky: its failures are not run again.
 MAX_RERUN_FAILURES = 3
-
-
-@dataclass
-class FailedTest:
-    node_id: str | None  # pytest's id relative to the component folder (``tests/test_x.py::test_y[a]``); None: unknown
-    description: str  # ``classname::name: first line of the message`` (and, for the first few, the report's end)
-
-
-def failed_tests(path: Path, component_path: Path) -> list[FailedTest]:
-    """The failed or erroring test cases of a JUnit report. Their descriptions are for the end of a long CI log
-    (often all that a CI page shows); the first few also get the last lines of their report, where a launched
-    script's failure leaves the end of its stderr."""
-    try:
-        root = ET.parse(path).getroot()
-    except (OSError, ET.ParseError):
-        return []
-    failures = []
-    for case in root.iter("testcase"):
-        problem = case.find("failure")
-        if problem is None:
-            problem = case.find("error")
-        if problem is None:
-            continue
-        classname, name = case.get("classname", ""), case.get("name", "")
-        message = (problem.get("message") or problem.text or "").strip().splitlines()
-        test = f"{classname}::{name}" if classname else name
-        description = f"{test}: {message[0][:200] if message else problem.tag}"
-        if len(failures) < FAILURES_WITH_TAILS:
-            tail = (problem.text or "").rstrip().splitlines()[-FAILURE_TAIL_LINES:]
-            description += "".join(f"\n      | {line[:300]}" for line in tail)
-        failures.append(FailedTest(node_id(component_path, classname, name), description))
-    return failures
-
-
-def node_id(component_path: Path, classname: str, name: str) -> str | None:
-    """pytest's id of a JUnit test case: ``tests.test_x.TestGroup`` + ``test_y[a]`` is
-    ``tests/test_x.py::TestGroup::test_y[a]`` when ``tests/test_x.py`` is a file of the component; else None (a
-    collection error has no test function to name)."""
-    parts = [part for part in classname.split(".") if part]
-    if not parts or not name:
-        return None
-    for split in range(len(parts), 0, -1):  # the longest dotted prefix that is a module file
-        module = Path(*parts[:split]).with_suffix(".py")
-        if (component_path / module).is_file():
-            return "::".join([module.as_posix(), *parts[split:], name])
-    return None
 
 
 def _status(rc: int | None, component: Component, markexpr: str | None) -> tuple[str, bool]:
