@@ -27,12 +27,15 @@ import torch
 import torch.distributed as dist
 from activation_recompute import recompute_note
 from adamw import build_adamw, megatron_fsdp_init_step_left_out
+from compensated_adamw import split_float32_masters
 from distributed import Meshes, data_parallel_wrapper
 from mixed_precision import (
     computes_in_bf16,
+    holds_masters_in_optimizer,
     keeps_fp32_master_weights,
     megatron_fsdp_precision,
     mixed_precision_policy,
+    settle_masters_in_optimizer,
 )
 from model_families import (
     PRETRAINED_MISMATCH,
@@ -73,6 +76,8 @@ class BuiltModel:
     strategy: str
     ddp: DistributedDataParallel | None = None
     optimizer: torch.optim.Optimizer | None = None  # "mfsdp" only: sharded together with the model
+    # mixed_precision.masters_in_optimizer: each bf16 weight's fp32 low bits, for CompensatedAdamW (else None)
+    master_low_bits: dict | None = None
 
     def gradient_sync(self, enabled: bool) -> contextlib.AbstractContextManager:
         """Reduce gradients in this backward (``enabled``) or only accumulate them locally (earlier micro-batches).
@@ -125,6 +130,8 @@ def build_model(
         resolve_backend(config.backend)
     except RuntimeError as error:
         raise UnsupportedHardwareError(f"{error} (+model_config_overrides.backend=torch)") from None
+    settle_masters_in_optimizer(cfg, strategy, device)  # FSDP2 and Megatron-FSDP keep their own fp32 masters
+    masters_in_optimizer = holds_masters_in_optimizer(cfg.mixed_precision, device)
     if strategy == "mfsdp":
         return _build_megatron_fsdp(cfg, device, meshes, family, config, plan, quant_stats)
     on_meta = strategy == "fsdp2" and cfg.fsdp.use_meta_device
@@ -133,7 +140,10 @@ def build_model(
     pretrained = load_pretrained_state_dict(cfg)
     if strategy == "ddp":
         apply_pretrained_weights(model, pretrained)
-    if computes_in_bf16(cfg.mixed_precision, device) and not keeps_fp32_master_weights(cfg.mixed_precision, device):
+    master_low_bits = None
+    if masters_in_optimizer:
+        master_low_bits = split_float32_masters(model)  # bf16 weights; the fp32 low bits go to CompensatedAdamW
+    elif computes_in_bf16(cfg.mixed_precision, device) and not keeps_fp32_master_weights(cfg.mixed_precision, device):
         model.to(torch.bfloat16)  # bf16 weights and optimizer state: less memory, no fp32 master copy
     if quant_stats is not None:
         quant_stats.watch(model)
@@ -161,17 +171,20 @@ def build_model(
     else:
         # The same random init on every rank (same seed), and DDP broadcasts rank 0's weights anyway. The buffers
         # (rotary frequencies, contact-head weights) never change: no per-step broadcast.
-        ddp = data_parallel_wrapper(model, device)  # None for a process alone
+        ddp = data_parallel_wrapper(model, device, float32_average=masters_in_optimizer)  # None: one process
         train_model = ddp or model
     if cfg.use_torch_compile:
         train_model = torch.compile(train_model)
-    return BuiltModel(model, train_model, config, plan, model_flops, strategy, ddp)
+    return BuiltModel(model, train_model, config, plan, model_flops, strategy, ddp, master_low_bits=master_low_bits)
 
 
-def build_optimizer(cfg: DictConfig, model: torch.nn.Module, device: torch.device) -> torch.optim.Optimizer:
+def build_optimizer(
+    cfg: DictConfig, model: torch.nn.Module, device: torch.device, master_low_bits: dict | None = None
+) -> torch.optim.Optimizer:
     """AdamW with ``cfg.adamw_kwargs`` over the model built by ``build_model`` (DDP, FSDP2 and CP entrypoints):
-    torch's for fp32 weights, ``CompensatedAdamW`` for bf16 weights (adamw.py)."""
-    return build_adamw(model.parameters(), cfg, device)
+    torch's for fp32 weights, ``CompensatedAdamW`` for bf16 weights (adamw.py); ``master_low_bits``: the built
+    model's, with ``mixed_precision.masters_in_optimizer``."""
+    return build_adamw(model.parameters(), cfg, device, master_low_bits)
 
 
 def log_model(model: torch.nn.Module, config) -> None:

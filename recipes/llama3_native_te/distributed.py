@@ -122,8 +122,11 @@ def build_meshes(dist_config: DistributedConfig, device: torch.device, cp_size: 
     return Meshes(fsdp=mesh["dp", "cp"]._flatten("dp_cp"), dp=mesh["dp"], cp=mesh["cp"])
 
 
-def data_parallel_wrapper(model: torch.nn.Module, device: torch.device) -> DistributedDataParallel | None:
-    """``wrap_in_ddp(model, device)`` when the default process group has more than one rank, else None.
+def data_parallel_wrapper(
+    model: torch.nn.Module, device: torch.device, float32_average: bool = False
+) -> DistributedDataParallel | None:
+    """``wrap_in_ddp(model, device, float32_average)`` when the default process group has more than one rank, else
+    None.
 
     A process alone (``python train_ddp.py``, or ``torchrun --nproc_per_node=1``) has no gradients to average, and the
     wrapper would still copy every gradient into its communication buckets, "all-reduce" them over one rank and copy
@@ -133,10 +136,27 @@ def data_parallel_wrapper(model: torch.nn.Module, device: torch.device) -> Distr
     if not dist.is_initialized() or dist.get_world_size() == 1:
         logger.info("One process: training the model without the DistributedDataParallel wrapper (nothing to average)")
         return None
-    return wrap_in_ddp(model, device)
+    return wrap_in_ddp(model, device, float32_average)
 
 
-def wrap_in_ddp(model: torch.nn.Module, device: torch.device) -> DistributedDataParallel:
+def average_bf16_gradients_in_float32(process_group, bucket) -> torch.futures.Future[torch.Tensor]:
+    """A DDP communication hook: the bucket's (bf16) gradients cast to float32, averaged over the ranks in float32,
+    and rounded back once, instead of summed in bf16 hop by hop (``mixed_precision.masters_in_optimizer``)."""
+    group = process_group if process_group is not None else dist.group.WORLD
+    wide = bucket.buffer().to(torch.float32).div_(dist.get_world_size(group))
+    future = dist.all_reduce(wide, group=group, async_op=True).get_future()
+
+    def narrow(done: torch.futures.Future) -> torch.Tensor:
+        buffer = bucket.buffer()
+        buffer.copy_(done.value()[0])
+        return buffer
+
+    return future.then(narrow)
+
+
+def wrap_in_ddp(
+    model: torch.nn.Module, device: torch.device, float32_average: bool = False
+) -> DistributedDataParallel:
     """``DistributedDataParallel`` over the default process group, without a buffer broadcast before every forward.
 
     Every rank builds the same buffers (rotary tables and the like) and training never changes them, so DDP's per-step
@@ -146,8 +166,12 @@ def wrap_in_ddp(model: torch.nn.Module, device: torch.device) -> DistributedData
     """
     device_ids = [device.index] if device.type == "cuda" else None
     if "forward_sync_buffers" in inspect.signature(DistributedDataParallel.__init__).parameters:
-        return DistributedDataParallel(model, device_ids=device_ids, forward_sync_buffers=False)
-    return DistributedDataParallel(model, device_ids=device_ids, broadcast_buffers=False)
+        ddp = DistributedDataParallel(model, device_ids=device_ids, forward_sync_buffers=False)
+    else:
+        ddp = DistributedDataParallel(model, device_ids=device_ids, broadcast_buffers=False)
+    if float32_average:  # bf16 gradients averaged in float32 (average_bf16_gradients_in_float32)
+        ddp.register_comm_hook(None, average_bf16_gradients_in_float32)
+    return ddp
 
 
 def cleanup_distributed() -> None:

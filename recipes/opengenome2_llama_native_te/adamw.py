@@ -13,6 +13,10 @@ warm-up, almost all of them are, and an ESM-2 650M run trailed fp32 master weigh
 master value beside it (2 bytes per parameter) and follows fp32 AdamW; ``compensate_bf16_updates: false`` restores
 torch's AdamW.
 
+With fp32 master weights held in the optimizer (``mixed_precision.masters_in_optimizer``: bf16 weights and their low
+bits, mixed_precision.py) it is ``CompensatedAdamW`` with float32 moments, its low bits those of the float32 weights
+the model was built with (``master_low_bits``, from ``compensated_adamw.split_float32_masters``), on CPU and CUDA.
+
 With fp32 weights (fp32 master weights, the default, or no bf16 compute) on CUDA it is ``CompensatedAdamW`` too, whose
 float32 parameters get plain AdamW in the same Triton kernel: torch's AdamW arithmetic in float32, as torch's fused
 AdamW computes it, and a step that takes gradient clipping's factor (``grad_clipping.clip_grad_norm_and_step``), so
@@ -34,7 +38,7 @@ from collections.abc import Iterable, Iterator
 
 import torch
 from compensated_adamw import CompensatedAdamW
-from mixed_precision import computes_in_bf16, keeps_fp32_master_weights
+from mixed_precision import computes_in_bf16, holds_masters_in_optimizer, keeps_fp32_master_weights
 from user_errors import ConfigError
 
 
@@ -47,19 +51,37 @@ COMPENSATED_ADAMW_KWARGS = ("lr", "betas", "eps", "weight_decay")
 def updates_bf16_weights_compensated(cfg, device: torch.device) -> bool:
     """Whether this run's weights are bf16 and their optimizer keeps the low bits (``CompensatedAdamW``)."""
     mp_cfg = cfg.mixed_precision
+    if holds_masters_in_optimizer(mp_cfg, device):
+        return True
     bf16_weights = computes_in_bf16(mp_cfg, device) and not keeps_fp32_master_weights(mp_cfg, device)
     return bf16_weights and bool(mp_cfg.compensate_bf16_updates)
 
 
-def build_adamw(params: Iterable, cfg, device: torch.device) -> torch.optim.Optimizer:
-    """AdamW with ``cfg.adamw_kwargs`` over ``params`` (parameters or parameter groups) for a model on ``device``."""
+def build_adamw(
+    params: Iterable, cfg, device: torch.device, master_low_bits: dict | None = None
+) -> torch.optim.Optimizer:
+    """AdamW with ``cfg.adamw_kwargs`` over ``params`` (parameters or parameter groups) for a model on ``device``;
+    ``master_low_bits``: the low halves of the float32 weights a ``masters_in_optimizer`` model was built from."""
+    masters_in_optimizer = holds_masters_in_optimizer(cfg.mixed_precision, device)
     if updates_bf16_weights_compensated(cfg, device):
         unsupported = sorted(set(cfg.adamw_kwargs) - set(COMPENSATED_ADAMW_KWARGS))
         if unsupported:
+            setting = "masters_in_optimizer" if masters_in_optimizer else "compensate_bf16_updates"
             raise ConfigError(
-                f"adamw_kwargs.{unsupported[0]} is not supported with bf16 weights and "
-                "mixed_precision.compensate_bf16_updates=true (CompensatedAdamW takes "
-                f"{', '.join(COMPENSATED_ADAMW_KWARGS)}): remove it, or set mixed_precision.compensate_bf16_updates=false"
+                f"adamw_kwargs.{unsupported[0]} is not supported with "
+                f"{'' if masters_in_optimizer else 'bf16 weights and '}mixed_precision.{setting}=true "
+                f"(CompensatedAdamW takes {', '.join(COMPENSATED_ADAMW_KWARGS)}): remove it, or set "
+                f"mixed_precision.{setting}=false"
+            )
+        if masters_in_optimizer:
+            if master_low_bits is None:
+                raise ValueError("masters_in_optimizer: build_adamw needs the model's master_low_bits")
+            logger.info(
+                "Optimizer: CompensatedAdamW, fp32 master weights held as the bf16 weights and their 16 low bits, "
+                "float32 moments"
+            )
+            return CompensatedAdamW(
+                params, **cfg.adamw_kwargs, state_dtype=torch.float32, initial_compensation=master_low_bits
             )
         logger.info("Optimizer: CompensatedAdamW (bf16 weights with the 16 low bits of their fp32 master values)")
         return CompensatedAdamW(params, **cfg.adamw_kwargs)

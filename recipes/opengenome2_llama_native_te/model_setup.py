@@ -24,9 +24,16 @@ from dataclasses import dataclass
 import torch
 import torch.distributed as dist
 from activation_recompute import recompute_note
+from compensated_adamw import split_float32_masters
 from distributed import Meshes, data_parallel_wrapper
 from fused_layer_choice import keep_fused_layers_only_where_they_run
-from mixed_precision import computes_in_bf16, keeps_fp32_master_weights, mixed_precision_policy
+from mixed_precision import (
+    computes_in_bf16,
+    holds_masters_in_optimizer,
+    keeps_fp32_master_weights,
+    mixed_precision_policy,
+    settle_masters_in_optimizer,
+)
 from modeling_llama_te import NVLlamaConfig, NVLlamaForCausalLM, resolve_backend
 from omegaconf import DictConfig, OmegaConf
 from perf_logger import ModelFlops
@@ -60,6 +67,8 @@ class BuiltModel:
     # next (False: no gather between micro-batches; the step's last backward frees them). fsdp.reshard_after_backward.
     reshard_between_micro_batches: bool = True
     ddp: DistributedDataParallel | None = None  # "ddp" with more than one rank
+    # mixed_precision.masters_in_optimizer: each bf16 weight's fp32 low bits, for CompensatedAdamW (else None)
+    master_low_bits: dict | None = None
 
     def gradient_sync(self, enabled: bool) -> contextlib.AbstractContextManager:
         """Reduce gradients in this backward (``enabled``) or only accumulate them locally (earlier micro-batches)."""
@@ -104,6 +113,7 @@ def build_model(cfg: DictConfig, device: torch.device, meshes: Meshes | None, st
     """
     if strategy not in STRATEGIES:
         raise ValueError(f"strategy must be one of {STRATEGIES}, got {strategy!r}")
+    settle_masters_in_optimizer(cfg, strategy, device)  # FSDP2 keeps its own fp32 master weights
     config, plan = load_model_config(cfg)
     check_quantization_supported(plan, device)  # FP8/FP4 on a machine that cannot run it fails here
     try:
@@ -114,7 +124,10 @@ def build_model(cfg: DictConfig, device: torch.device, meshes: Meshes | None, st
     on_meta = strategy == "fsdp2" and cfg.fsdp.use_meta_device
     with torch.device("meta" if on_meta else device):
         model = NVLlamaForCausalLM(config, fp8_recipe=plan.fp8_recipe, fp4_recipe=plan.fp4_recipe)
-    if computes_in_bf16(cfg.mixed_precision, device) and not keeps_fp32_master_weights(cfg.mixed_precision, device):
+    master_low_bits = None
+    if holds_masters_in_optimizer(cfg.mixed_precision, device):
+        master_low_bits = split_float32_masters(model)  # bf16 weights; the fp32 low bits go to CompensatedAdamW
+    elif computes_in_bf16(cfg.mixed_precision, device) and not keeps_fp32_master_weights(cfg.mixed_precision, device):
         model.to(torch.bfloat16)  # bf16 weights and optimizer state: less memory, no fp32 master copy
     model_flops = ModelFlops.from_model(model, config.num_hidden_layers, config.hidden_size)
     millions = sum(p.numel() for p in model.parameters()) / 1e6
@@ -147,8 +160,10 @@ def build_model(cfg: DictConfig, device: torch.device, meshes: Meshes | None, st
     else:
         # Every rank built the same weights from the same seed, and DDP broadcasts rank 0's anyway. The buffers
         # (rotary frequencies) never change: no per-step broadcast.
-        ddp = data_parallel_wrapper(model, device)  # None for a process alone
+        ddp = data_parallel_wrapper(model, device, float32_average=master_low_bits is not None)  # None: one process
         train_model = ddp or model
     if cfg.use_torch_compile:
         train_model = torch.compile(train_model)
-    return BuiltModel(model, train_model, config, plan, model_flops, strategy, cfg.fsdp.reshard_after_backward, ddp)
+    return BuiltModel(
+        model, train_model, config, plan, model_flops, strategy, cfg.fsdp.reshard_after_backward, ddp, master_low_bits
+    )

@@ -29,7 +29,9 @@ def split_decay_parameters(model: nn.Module, embedding_weight_decay: bool = Fals
     return decay, no_decay
 
 
-def build_optimizer(model: nn.Module, cfg, device: torch.device) -> torch.optim.Optimizer:
+def build_optimizer(
+    model: nn.Module, cfg, device: torch.device, master_low_bits: dict | None = None
+) -> torch.optim.Optimizer:
     """AdamW (adamw.py: ``CompensatedAdamW`` for bf16 weights) over two groups: ``cfg.adamw_kwargs.weight_decay`` for
     weight matrices, 0 for the rest (and for the input embeddings unless ``cfg.embedding_weight_decay``)."""
     decay, no_decay = split_decay_parameters(model, bool(cfg.embedding_weight_decay))
@@ -38,4 +40,4 @@ def build_optimizer(model: nn.Module, cfg, device: torch.device) -> torch.optim.
         {"params": [params[name] for name in decay], "weight_decay": cfg.adamw_kwargs.get("weight_decay", 0.0)},
         {"params": [params[name] for name in no_decay], "weight_decay": 0.0},
     ]
-    return build_adamw([group for group in groups if group["params"]], cfg, device)
+    return build_adamw([group for group in groups if group["params"]], cfg, device, master_low_bits)

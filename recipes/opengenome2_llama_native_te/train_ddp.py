@@ -23,6 +23,7 @@ import hydra
 import torch
 from checkpoint import Checkpointer, export_final_model, gather_full_state_dict
 from collator import pad_token_id
+from compensated_adamw import master_state_dict
 from dataset import create_dataloader, held_out_batches
 from distributed import cleanup_distributed, move_to_device, setup_distributed
 from fp8_calibration import calibrate_on_first_batch
@@ -61,7 +62,7 @@ def main(cfg: DictConfig) -> None:
     use_bf16 = computes_in_bf16(cfg.mixed_precision, device)
 
     # Optimizer with weight-decay groups, schedule, streaming data (each data-parallel rank reads its own part).
-    optimizer = build_optimizer(model, cfg, device)  # CompensatedAdamW on CUDA (adamw.py)
+    optimizer = build_optimizer(model, cfg, device, built.master_low_bits)  # CompensatedAdamW on CUDA (adamw.py)
     scheduler = get_linear_schedule_with_warmup(optimizer, **cfg.lr_scheduler_kwargs)
     dataloader = create_dataloader(
         cfg.dataset, tokenizer, dp_rank=dist_config.rank, dp_world_size=dist_config.world_size, seed=cfg.seed
@@ -147,7 +148,10 @@ def main(cfg: DictConfig) -> None:
 
     # Export a Hugging Face directory that loads anywhere, without this recipe's low-precision settings.
     if cfg.export_final_model:
-        full_state_dict = gather_full_state_dict(model, "ddp")
+        if built.master_low_bits is not None:  # fp32 master weights held in the optimizer: export them whole
+            full_state_dict = {name: value.cpu() for name, value in master_state_dict(model, optimizer).items()}
+        else:
+            full_state_dict = gather_full_state_dict(model, "ddp")
         export_final_model(model, full_state_dict, Path(cfg.output_dir) / "final_model", tokenizer)
     checkpointer.close()
     cleanup_distributed()

@@ -23,7 +23,10 @@ fp32-master run at step 10. So by default (``initial_compensation="dither"``) th
 more: the randomly initialised weights) start uniformly random, as a float32 initialisation would have left them;
 vectors (biases, norm scales: constants at init) and zeros start at zero. The random bits come from a generator
 seeded with ``seed``, not from the global RNG. ``initial_compensation="zero"`` starts all of them at zero (the master
-weights then equal the bf16 ones, e.g. after loading a bf16 checkpoint).
+weights then equal the bf16 ones, e.g. after loading a bf16 checkpoint). Given the low halves themselves (a dict from
+parameter to int16 tensor, as ``split_float32_masters`` returns them for a model built in float32 and then made bf16),
+the master weights start as exactly those float32 weights: fp32 master weights kept in the optimizer
+(``mixed_precision.masters_in_optimizer``; ``master_state_dict`` gives them back, for an export).
 
 The moments ``exp_avg`` and ``exp_avg_sq`` are stored in the parameter's dtype by default, as torch's AdamW does for
 bf16 parameters (``state_dtype=torch.float32`` keeps them in fp32). float32 parameters get plain AdamW (no low bits):
@@ -70,7 +73,7 @@ class CompensatedAdamW(torch.optim.Optimizer):
         eps: float = 1e-8,
         weight_decay: float = 1e-2,
         state_dtype: torch.dtype | None = None,
-        initial_compensation: str = "dither",
+        initial_compensation: str | dict = "dither",
         seed: int = 0,
     ):
         if not lr >= 0.0:
@@ -79,9 +82,11 @@ class CompensatedAdamW(torch.optim.Optimizer):
             raise ValueError(f"CompensatedAdamW: betas must be in [0, 1), got {tuple(betas)}")
         if not eps >= 0.0 or not weight_decay >= 0.0:
             raise ValueError(f"CompensatedAdamW: eps and weight_decay must be >= 0, got {eps} and {weight_decay}")
-        if initial_compensation not in ("dither", "zero"):
+        given_low_bits = isinstance(initial_compensation, dict)
+        if not given_low_bits and initial_compensation not in ("dither", "zero"):
             raise ValueError(
-                f"CompensatedAdamW: initial_compensation must be 'dither' or 'zero', got {initial_compensation!r}"
+                "CompensatedAdamW: initial_compensation must be 'dither', 'zero' or a dict of low halves, got "
+                f"{initial_compensation!r}"
             )
         defaults = {"lr": lr, "betas": tuple(betas), "eps": eps, "weight_decay": weight_decay}
         super().__init__(params, defaults)
@@ -90,7 +95,9 @@ class CompensatedAdamW(torch.optim.Optimizer):
                 if param.dtype not in (torch.bfloat16, torch.float32):
                     raise TypeError(f"CompensatedAdamW takes bf16 or float32 parameters, got {param.dtype}")
         self.state_dtype = state_dtype
-        self.initial_compensation = initial_compensation
+        # Given low halves are taken over: each leaves the dict when its parameter's state is made (2 bytes a weight).
+        self._given_low_bits = initial_compensation if given_low_bits else {}
+        self.initial_compensation = "given" if given_low_bits else initial_compensation
         self.seed = seed
         self._generators: dict[torch.device, torch.Generator] = {}
         self._block_tables = _BlockTables()
@@ -104,7 +111,10 @@ class CompensatedAdamW(torch.optim.Optimizer):
             state["exp_avg_sq"] = torch.zeros_like(param, dtype=moment_dtype, memory_format=torch.preserve_format)
             if param.dtype == torch.bfloat16:
                 low = torch.zeros_like(param, dtype=torch.int16, memory_format=torch.preserve_format)
-                if self.initial_compensation == "dither" and param.dim() >= 2:
+                given = self._given_low_bits.pop(param, None)
+                if given is not None:
+                    _local(low).copy_(_local(given))
+                elif self.initial_compensation == "dither" and param.dim() >= 2:
                     local = _local(low)
                     local.copy_(random_low_bits(_local(param), self._generator(local.device)))
                 state["compensation"] = low
@@ -122,6 +132,7 @@ class CompensatedAdamW(torch.optim.Optimizer):
             for param_id, state in state_dict["state"].items()
         }
         super().load_state_dict(state_dict)
+        self._given_low_bits.clear()  # a resumed run's low halves are the checkpoint's
         params_by_id = {
             param_id: param
             for saved_group, group in zip(state_dict["param_groups"], self.param_groups)
@@ -239,6 +250,34 @@ class AdamWScalars:
     step_size: float
     sqrt_bias_correction2: float
     eps: float
+
+
+@torch.no_grad()
+def split_float32_masters(module: torch.nn.Module) -> dict[torch.nn.Parameter, torch.Tensor]:
+    """Make a float32 ``module`` bf16 (``module.to(torch.bfloat16)``: parameters and buffers) and return each float32
+    parameter's int16 low half, by parameter: ``CompensatedAdamW(initial_compensation=...)`` then starts from
+    exactly the float32 weights. Each bf16 weight is its master value rounded as ``split_master`` rounds it (to
+    nearest, ties away from zero), so weight and low half join back into the float32 value."""
+    halves = {param: split_master(param.detach()) for param in module.parameters() if param.dtype == torch.float32}
+    module.to(torch.bfloat16)
+    for param, (high, _) in halves.items():
+        param.copy_(high)  # the cast rounds ties to even; the low half assumes ties away from zero
+    return {param: low for param, (_, low) in halves.items()}
+
+
+@torch.no_grad()
+def master_state_dict(model: torch.nn.Module, optimizer: "CompensatedAdamW") -> dict[str, torch.Tensor]:
+    """``model.state_dict()`` with each bf16 parameter that ``optimizer`` keeps low bits for replaced by its float32
+    master value (bf16 weight and low half joined): what an fp32-master run exports. Parameters the optimizer has not
+    stepped yet count as their low halves given at construction, else as their bf16 values."""
+    state = model.state_dict()
+    for name, param in model.named_parameters(remove_duplicate=False):  # tied weights: under each of their names
+        low = optimizer.state.get(param, {}).get("compensation")
+        if low is None:
+            low = optimizer._given_low_bits.get(param)
+        if low is not None and name in state:
+            state[name] = join_master(_local(param.detach()), _local(low))
+    return state
 
 
 def random_low_bits(param: torch.Tensor, generator: torch.Generator) -> torch.Tensor:

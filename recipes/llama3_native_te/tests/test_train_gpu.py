@@ -10,9 +10,11 @@ from pathlib import Path
 
 import pytest
 import torch
+from compensated_adamw import split_master
 from dataset import held_out_batches
 from launch import RECIPE_DIR, run_script
 from omegaconf import OmegaConf
+from safetensors.torch import load_file
 from test_train import FAST, LOSS_THRESHOLD, assert_validation_learns, read_metrics
 from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
 from validation import Validator
@@ -81,6 +83,38 @@ def test_te_backend_learns(tmp_path, script, overrides):
     assert_validation_learns(tmp_path, [40, 80])
     settings = dict(o.removeprefix("dataset.").split("=") for o in overrides if o.startswith("dataset."))
     assert_validation_is_the_exports(tmp_path, settings["input_format"], int(settings.get("micro_batch_size", 1)))
+
+
+@pytest.mark.requires_te
+def test_fp32_masters_held_in_the_optimizer_train_as_fp32_weights_do_with_te(tmp_path):
+    """``mixed_precision.masters_in_optimizer`` with the fused TE layers (bf16 weights into TE's GEMMs, the Triton
+    CompensatedAdamW kernel from the float32 init's low bits, float32 moments) against fp32 weights cast per GEMM,
+    both through train_ddp.py with deterministic attention: the losses agree to 0.02 at every logged step, and the
+    export holds float32 weights whose split (as the optimizer splits them) is the checkpoint's bf16 weights."""
+    common = [
+        "+model_config_overrides.backend=te",
+        "+model_config_overrides.fused_residual_norm=true",
+        "dataset.input_format=thd",
+        "adamw_kwargs.lr=1e-3",
+        "num_train_steps=40",
+        "logger.log_every=5",
+        "validation.path=null",
+    ]
+    runs = {
+        name: train_on_gpu(
+            "train_ddp.py", tmp_path / name, *common, f"mixed_precision.masters_in_optimizer={on}", env=DETERMINISTIC
+        )
+        for name, on in [("fp32", "false"), ("split", "true")]
+    }
+    assert [m["step"] for m in runs["split"]] == [m["step"] for m in runs["fp32"]] == list(range(5, 41, 5))
+    for fp32, split in zip(runs["fp32"], runs["split"]):
+        assert abs(fp32["loss"] - split["loss"]) < 0.02, runs
+    assert runs["split"][-1]["loss"] < runs["split"][0]["loss"] - 2.0, runs["split"]
+    model_state = torch.load(tmp_path / "split/checkpoints/step_40/train_state.pt", weights_only=True)["model"]
+    exported = load_file(tmp_path / "split/final_model/model.safetensors")
+    for name, weight in exported.items():
+        assert weight.dtype == torch.float32, name
+        assert torch.equal(split_master(weight)[0], model_state[name].cpu()), name
 
 
 @pytest.mark.requires_te

@@ -13,6 +13,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 import torch
+from compensated_adamw import split_master
 from launch import RECIPE_DIR, run_script
 from safetensors.torch import load_file
 from training import FAST, LOSS_THRESHOLD, read_jsonl, train
@@ -242,3 +243,37 @@ def test_an_error_in_validation_stops_the_run(tmp_path):
     result = run_script("train_fsdp2.py", f"output_dir={tmp_path}", *overrides, expect_failure=True)
     assert "bad_valid.jsonl:1: no string under key 'text'" in result.stderr
     assert not (tmp_path / "final_model").exists()
+
+
+def test_fp32_masters_held_in_the_optimizer_train_as_fp32_weights_do(tmp_path):
+    """``mixed_precision.masters_in_optimizer`` (bf16 weights plus their low bits in CompensatedAdamW, float32 moments)
+    against the fp32 weights it replaces, on CPU with bf16 compute, same init and data, at a learning rate where the
+    runs stay on one trajectory: the losses agree to 0.01 at every logged step, and the export holds float32 weights
+    that round to the checkpoint's bf16 ones (split as the optimizer splits them) with their low bits in use.
+    grad_acc_steps > 1 is refused by name; train_fsdp2.py, which keeps fp32 masters its own way, runs with
+    the setting switched off."""
+    common = ["adamw_kwargs.lr=1e-3", "num_train_steps=40", "mixed_precision.on_cpu=true", "validation.path=null"]
+    runs = {}
+    for name, masters_in_optimizer in [("fp32", "false"), ("split", "true")]:
+        override = f"mixed_precision.masters_in_optimizer={masters_in_optimizer}"
+        runs[name] = train(tmp_path / name, *common, override, "logger.log_every=5", script="train_ddp.py")
+    assert [m["step"] for m in runs["split"]] == [m["step"] for m in runs["fp32"]] == list(range(5, 41, 5))
+    for fp32, split in zip(runs["fp32"], runs["split"]):
+        assert abs(fp32["loss"] - split["loss"]) < 0.01, runs
+    assert runs["split"][-1]["loss"] < runs["split"][0]["loss"] - 1.0, runs["split"]  # it learns
+
+    model_state = torch.load(tmp_path / "split/checkpoints/step_40/train_state.pt", weights_only=True)["model"]
+    exported = exported_weights(tmp_path / "split")
+    for name, weight in exported.items():
+        assert weight.dtype == torch.float32, name
+        assert torch.equal(split_master(weight)[0], model_state[name]), name
+    assert any(not torch.equal(weight, weight.bfloat16().float()) for weight in exported.values())
+
+    on = "mixed_precision.masters_in_optimizer=true"
+    args = [*FAST, *common, on]
+    result = run_script(
+        "train_ddp.py", f"output_dir={tmp_path / 'refused'}", *args, "grad_acc_steps=2", expect_failure=True
+    )
+    assert "needs grad_acc_steps=1" in result.stderr, result.stderr[-2000:]
+    result = run_script("train_fsdp2.py", f"output_dir={tmp_path / 'fsdp2'}", *args, "num_train_steps=2")
+    assert "masters_in_optimizer is for train_ddp.py" in result.stdout + result.stderr

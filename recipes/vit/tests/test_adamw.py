@@ -4,8 +4,13 @@
 import pytest
 import torch
 from adamw import build_adamw, megatron_fsdp_init_step_left_out
-from compensated_adamw import CompensatedAdamW, join_master
-from mixed_precision import megatron_fsdp_precision
+from compensated_adamw import CompensatedAdamW, join_master, split_float32_masters
+from mixed_precision import (
+    holds_masters_in_optimizer,
+    keeps_fp32_master_weights,
+    megatron_fsdp_precision,
+    settle_masters_in_optimizer,
+)
 from omegaconf import OmegaConf
 from user_errors import ConfigError
 
@@ -13,8 +18,15 @@ from user_errors import ConfigError
 CPU = torch.device("cpu")
 
 
-def config(fp32_master_weights=True, compensate=True, enabled=True, on_cpu=True, **extra_adamw_kwargs):
-    return OmegaConf.create(
+def config(
+    fp32_master_weights=True,
+    compensate=True,
+    enabled=True,
+    on_cpu=True,
+    masters_in_optimizer=None,
+    **extra_adamw_kwargs,
+):
+    cfg = OmegaConf.create(
         {
             "adamw_kwargs": {
                 "lr": 4e-4,
@@ -29,8 +41,12 @@ def config(fp32_master_weights=True, compensate=True, enabled=True, on_cpu=True,
                 "fp32_master_weights": fp32_master_weights,
                 "compensate_bf16_updates": compensate,
             },
+            "grad_acc_steps": 1,
         }
     )
+    if masters_in_optimizer is not None:  # the recipes whose config has the key
+        cfg.mixed_precision.masters_in_optimizer = masters_in_optimizer
+    return cfg
 
 
 def parameters(dtype=torch.bfloat16):
@@ -107,6 +123,58 @@ def test_a_config_without_the_compensation_key_fails_by_name():
     del cfg.mixed_precision["compensate_bf16_updates"]
     with pytest.raises(Exception, match="compensate_bf16_updates"):
         build_adamw(parameters(), cfg, CPU)
+
+
+def test_masters_in_the_optimizer_get_float32_moments_and_start_from_the_given_low_bits():
+    model = torch.nn.Linear(4, 3)
+    weights = [param.detach().clone() for param in model.parameters()]
+    low_bits = split_float32_masters(model)
+    cfg = config(masters_in_optimizer=True, compensate=False)  # compensate_bf16_updates is for bf16 weights only
+    assert holds_masters_in_optimizer(cfg.mixed_precision, CPU)
+    assert not keeps_fp32_master_weights(cfg.mixed_precision, CPU)  # no fp32 parameters: the model is bf16
+    optimizer = build_adamw(model.parameters(), cfg, CPU, low_bits)
+    assert type(optimizer) is CompensatedAdamW and optimizer.state_dtype == torch.float32
+    for param in model.parameters():
+        param.grad = torch.zeros_like(param)
+    optimizer.step()  # lr 4e-4, zero gradients: the masters decay by lr * weight_decay, from the float32 init
+    for param, weight in zip(model.parameters(), weights):
+        state = optimizer.state[param]
+        assert state["exp_avg"].dtype == torch.float32 and state["exp_avg_sq"].dtype == torch.float32
+        expected = weight * torch.tensor(1 - 4e-4 * 0.01, dtype=torch.float32)
+        assert torch.equal(join_master(param.detach(), state["compensation"]), expected)
+
+
+def test_masters_in_the_optimizer_need_the_low_bits_and_the_compensated_optimizer():
+    cfg = config(masters_in_optimizer=True)
+    with pytest.raises(ValueError, match="master_low_bits"):
+        build_adamw(parameters(), cfg, CPU)
+    with pytest.raises(ConfigError, match=r"adamw_kwargs\.amsgrad .*masters_in_optimizer=false"):
+        build_adamw(parameters(), config(masters_in_optimizer=True, amsgrad=True), CPU, {})
+    # Off (or no bf16 compute, or no fp32 master weights): the optimizer of those settings.
+    assert not holds_masters_in_optimizer(config(masters_in_optimizer=True, on_cpu=False).mixed_precision, CPU)
+    assert not holds_masters_in_optimizer(config(False, masters_in_optimizer=True).mixed_precision, CPU)
+    assert type(build_adamw(parameters(torch.float32), config(masters_in_optimizer=False), CPU)) is torch.optim.AdamW
+
+
+@pytest.mark.parametrize("strategy", ["fsdp2", "mfsdp"])
+def test_masters_in_the_optimizer_are_switched_off_where_fsdp_keeps_its_own(strategy, caplog):
+    cfg = config(masters_in_optimizer=True)
+    cfg.grad_acc_steps = 4  # no matter there
+    with caplog.at_level("INFO"):
+        settle_masters_in_optimizer(cfg, strategy, CPU)
+    assert cfg.mixed_precision.masters_in_optimizer is False and keeps_fp32_master_weights(cfg.mixed_precision, CPU)
+    assert "is for train_ddp.py" in caplog.text
+
+
+def test_masters_in_the_optimizer_run_under_ddp_with_one_micro_batch():
+    cfg = config(masters_in_optimizer=True)
+    settle_masters_in_optimizer(cfg, "ddp", CPU)
+    assert cfg.mixed_precision.masters_in_optimizer is True
+    cfg.grad_acc_steps = 4
+    with pytest.raises(ConfigError, match="needs grad_acc_steps=1"):
+        settle_masters_in_optimizer(cfg, "ddp", CPU)
+    cfg.mixed_precision.masters_in_optimizer = False
+    settle_masters_in_optimizer(cfg, "ddp", CPU)  # off: any number of micro-batches
 
 
 def shard_like_megatron_fsdp(optimizer: torch.optim.Optimizer, params: list[torch.nn.Parameter]) -> None:

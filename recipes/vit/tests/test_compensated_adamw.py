@@ -470,3 +470,89 @@ def test_bf16_weights_follow_fp32_master_weights_on_the_gpu():
         moved = (m.detach().cpu() - s.float()).abs().mean()
         error = (master_weights(module, optimizers[1], c) - m.detach()).abs().cpu()
         assert error.mean() < 1e-3 * moved and error.max() < 1e-2 * moved, (error.mean(), error.max(), moved)
+
+
+def float32_init(seed: int = 0, shapes=((33, 17), (5,), (3000,))) -> list[torch.Tensor]:
+    """float32 weights with all their low bits in use (not on bf16 values), as a float32 initialisation leaves them."""
+    generator = torch.Generator().manual_seed(seed)
+    return [torch.randn(shape, generator=generator) * 0.02 for shape in shapes]
+
+
+def test_split_float32_masters_makes_the_model_bf16_and_keeps_every_float32_weight():
+    module = fresh_module()
+    model = torch.nn.Sequential(torch.nn.Linear(33, 17), torch.nn.LayerNorm(17))
+    model.register_buffer("table", torch.randn(5))
+    weights = {name: param.detach().clone() for name, param in model.named_parameters()}
+    low_bits = module.split_float32_masters(model)
+    assert model.table.dtype == torch.bfloat16  # buffers as model.to(torch.bfloat16) casts them
+    assert set(low_bits) == set(model.parameters())
+    for name, param in model.named_parameters():
+        assert param.dtype == torch.bfloat16 and param.requires_grad
+        assert torch.equal(
+            module.join_master(param.detach(), low_bits[param]).view(torch.int32), weights[name].view(torch.int32)
+        )
+        split = module.split_master(weights[name])[0]
+        assert torch.equal(param.detach().view(torch.int16), split.view(torch.int16))  # the split's rounding
+
+
+@pytest.mark.parametrize("lr", [1e-6, 1e-4])
+def test_given_low_bits_run_fp32_adamw_on_the_float32_init(lr):
+    """Starting from the split of a float32 init (``masters_in_optimizer``), with float32 moments, the masters are
+    torch's fp32 AdamW's from that same init, to float32 rounding; the control, dithered low bits, is not."""
+    module = fresh_module()
+    master = [torch.nn.Parameter(t.clone()) for t in float32_init()]
+    model = torch.nn.ParameterList([torch.nn.Parameter(t.clone()) for t in float32_init()])
+    low_bits = module.split_float32_masters(model)
+    dithered = [torch.nn.Parameter(p.detach().clone()) for p in model]
+    train(torch.optim.AdamW, master, 200, lr, foreach=False)
+    optimizer = train(
+        module.CompensatedAdamW, list(model), 200, lr, state_dtype=torch.float32, initial_compensation=low_bits
+    )
+    control = train(module.CompensatedAdamW, dithered, 200, lr, state_dtype=torch.float32)
+    assert not low_bits  # taken over by the optimizer, each when its state was made
+
+    for index, (m, c, d, init) in enumerate(zip(master, model, dithered, float32_init())):
+        moved = (m.detach() - init).abs().mean()
+        error = (master_weights(module, optimizer, c) - m.detach()).abs()
+        assert error.max() < 1e-4 * moved, (index, error.max(), moved)
+        if init.dim() >= 2:  # dithered low bits: matrices start off their float32 init by up to half a bf16 step
+            control_error = (master_weights(module, control, d) - m.detach()).abs().max()
+            assert control_error > 100 * error.max(), (index, control_error, error.max())
+
+
+def test_master_state_dict_holds_the_float32_masters():
+    """Stepped parameters give their joined masters, not yet stepped ones their given low bits, under every name of
+    a tied weight; parameters without low bits and buffers stay as they are."""
+    module = fresh_module()
+
+    class Tied(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.embed = torch.nn.Embedding(7, 4)
+            self.head = torch.nn.Linear(4, 7, bias=False)
+            self.head.weight = self.embed.weight
+            self.norm = torch.nn.LayerNorm(4)
+            self.register_buffer("table", torch.arange(3.0))
+
+    model = Tied()
+    init = {name: value.clone() for name, value in model.state_dict().items()}
+    low_bits = module.split_float32_masters(model)
+    optimizer = module.CompensatedAdamW(
+        [model.embed.weight, model.norm.weight], lr=1e-3, state_dtype=torch.float32, initial_compensation=low_bits
+    )
+    state = module.master_state_dict(model, optimizer)  # before any step: the float32 init
+    for name in ("embed.weight", "head.weight", "norm.weight"):
+        assert state[name].dtype == torch.float32 and torch.equal(state[name], init[name]), name
+    assert state["norm.bias"].dtype == torch.float32  # not the optimizer's, but its low bits were given
+    model.extra = torch.nn.Parameter(torch.ones(2, dtype=torch.bfloat16))  # no low bits anywhere
+    state = module.master_state_dict(model, optimizer)
+    assert state["extra"].dtype == torch.bfloat16
+    assert torch.equal(state["table"], init["table"].bfloat16())
+
+    model.embed.weight.grad = torch.ones_like(model.embed.weight)
+    model.norm.weight.grad = torch.ones_like(model.norm.weight)
+    optimizer.step()
+    state = module.master_state_dict(model, optimizer)
+    stepped = master_weights(module, optimizer, model.embed.weight)
+    assert torch.equal(state["embed.weight"], stepped) and torch.equal(state["head.weight"], stepped)
+    assert not torch.equal(stepped, init["embed.weight"])
