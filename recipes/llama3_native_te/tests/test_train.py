@@ -132,10 +132,19 @@ def test_grad_accumulation_equals_one_larger_batch(tmp_path, script):
             torch.testing.assert_close(value, accumulated[key], rtol=0, atol=0, msg=key)
 
 
-@pytest.mark.parametrize(("script", "nproc"), [("train_ddp.py", None), ("train_fsdp2.py", 2)])
-def test_stop_and_go_matches_an_uninterrupted_run(tmp_path, script, nproc):
+@pytest.mark.parametrize(
+    ("script", "nproc", "extra"),
+    [
+        ("train_ddp.py", None, []),
+        ("train_fsdp2.py", 2, []),
+        # fp32 masters held in the optimizer: the low bits come back from the checkpoint, not from the new init
+        ("train_ddp.py", None, ["mixed_precision.on_cpu=true", "mixed_precision.masters_in_optimizer=true"]),
+    ],
+    ids=["ddp", "fsdp2", "ddp-masters-in-optimizer"],
+)
+def test_stop_and_go_matches_an_uninterrupted_run(tmp_path, script, nproc, extra):
     """Packed batches split windows over batch boundaries: the resumed run must start mid-window, exactly."""
-    overrides = ["dataset.token_budget=500", "lr_scheduler_kwargs.num_warmup_steps=2", "logger.log_every=1"]
+    overrides = ["dataset.token_budget=500", "lr_scheduler_kwargs.num_warmup_steps=2", "logger.log_every=1", *extra]
     overrides += ["validation.every_n_steps=4", "validation.max_batches=2"]
     straight = train(script, tmp_path / "straight", "num_train_steps=8", *overrides, nproc=nproc)
     train(script, tmp_path / "resumed", "num_train_steps=4", "export_final_model=false", *overrides, nproc=nproc)
