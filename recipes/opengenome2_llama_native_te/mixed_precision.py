@@ -38,7 +38,7 @@ def keeps_fp32_master_weights(mp_cfg, device: torch.device) -> bool:
     return (
         computes_in_bf16(mp_cfg, device)
         and bool(mp_cfg.fp32_master_weights)
-        and not bool(mp_cfg.get("masters_in_optimizer", False))
+        and not holds_masters_in_optimizer(mp_cfg, device)
     )
 
 

@@ -29,7 +29,7 @@ from distributed import cleanup_distributed, move_to_device, setup_distributed
 from fp8_calibration import calibrate_on_first_batch
 from grad_accumulation import count_targets, step_token_weights
 from grad_clipping import clip_grad_norm_and_step
-from mixed_precision import computes_in_bf16
+from mixed_precision import computes_in_bf16, holds_masters_in_optimizer
 from model_setup import build_model
 from omegaconf import DictConfig, OmegaConf
 from optimizer import build_optimizer
@@ -148,7 +148,7 @@ def main(cfg: DictConfig) -> None:
 
     # Export a Hugging Face directory that loads anywhere, without this recipe's low-precision settings.
     if cfg.export_final_model:
-        if built.master_low_bits is not None:  # fp32 master weights held in the optimizer: export them whole
+        if holds_masters_in_optimizer(cfg.mixed_precision, device):  # the fp32 masters, from the optimizer
             full_state_dict = {name: value.cpu() for name, value in master_state_dict(model, optimizer).items()}
         else:
             full_state_dict = gather_full_state_dict(model, "ddp")
