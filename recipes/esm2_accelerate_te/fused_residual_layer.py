@@ -412,14 +412,13 @@ class _SelfAttention(nn.Module):
         gradients go back into the projection's without first being joined; without a rotary batch, plain copies."""
         tokens, groups, per_group = qkv.shape[0], self.num_groups, self.num_heads // self.num_groups
         sizes = [tokens] if sizes is None else list(sizes)
-        split = None
         if per_group == 1:
             split = SplitPackedQKV.apply(qkv.view(tokens, groups, 3, self.head_dim), -2)
-        elif self.qkv_rotary is not None:
-            split = self.qkv_rotary.rotate_and_split(qkv, sizes)
-            if split is not None:
-                return [tuple(split[index : index + 3]) for index in range(0, len(split), 3)]
-        if split is None:
+        else:
+            # None while the rotary module holds no batch: plain copies below, as without it.
+            rotated = self.qkv_rotary.rotate_and_split(qkv, sizes) if self.qkv_rotary is not None else None
+            if rotated is not None:  # already one (query, key, value) triple per range
+                return [tuple(rotated[index : index + 3]) for index in range(0, len(rotated), 3)]
             query, key, value = qkv.view(tokens, groups, per_group + 2, self.head_dim).split([per_group, 1, 1], dim=2)
             split = (
                 query.reshape(tokens, self.num_heads, self.head_dim),
