@@ -9,7 +9,9 @@ import json
 import re
 
 import pytest
+import torch
 from launch import run_script
+from safetensors.torch import load_file
 from training import LOSS_THRESHOLD, read_jsonl, train
 
 
@@ -57,10 +59,15 @@ def test_te_backend_fsdp2_learns_and_exports(tmp_path, weights):
 @pytest.mark.requires_te
 def test_te_backend_ddp_with_the_fused_layers_learns_and_exports(tmp_path):
     """train_ddp.py as og2_1b_thd's one-GPU benchmark runs it: TE's fused layers (full windows attended as one dense
-    batch), bf16 autocast over fp32 master weights, the model without a wrapper; the export scores as the trained
+    batch), fp32 master weights held in the optimizer (bf16 weights into the GEMMs, their low bits and float32 moments
+    in CompensatedAdamW), the model without a wrapper; the export holds the float32 masters and scores as the trained
     model, with TE on the GPU and with the torch backend on CPU."""
     fused = ["+model_config_overrides.backend=te", "+model_config_overrides.fused_residual_norm=true"]
+    fused += ["mixed_precision.masters_in_optimizer=true"]
     metrics = train(tmp_path, *GPU_STEPS, *fused, script="train_ddp.py", cpu_only=False)
+    exported = load_file(tmp_path / "final_model" / "model.safetensors")
+    assert all(weight.dtype == torch.float32 for weight in exported.values())
+    assert any(not torch.equal(weight, weight.bfloat16().float()) for weight in exported.values())  # low bits in use
     assert metrics[-1]["loss"] < LOSS_THRESHOLD, [round(m["loss"], 3) for m in metrics]
     assert read_jsonl(tmp_path / "validation.jsonl")[-1]["val_loss"] < LOSS_THRESHOLD
     on_gpu = evaluate(tmp_path / "final_model", tmp_path / "gpu.json", "--backend", "te", "--device", "cuda")
