@@ -32,9 +32,8 @@ the QKV projection, called through ``te_attention.PackedCuDNNAttention`` (TE's c
 ``DotProductAttention``'s per-call Python once TE has chosen them); where the caller says that the first sequences
 are all ``max_seqlen_q`` tokens long (``leading_full_sequences``: full genome windows put first), those run as one
 dense [sequences, max_seqlen_q] (BSHD) batch and the rest packed, see ``_SelfAttention.attend``. Rotary embeddings
-are packed_rope.py's, which ``PackedQKVRotary.attach`` hands to the layer (``self_attention.qkv_rotary``): under
-GQA they rotate as ``split_qkv`` copies query, key and value out of the projection, else inside the projection
-(``NormQKV``), where with a bias the backward's rotation also sums the bias gradient (``_RotatedBiasedLinear``).
+must be applied inside the QKV projection (packed_rope.py's forward hook on ``self_attention.layernorm_qkv``, which
+this layer's projection returns as ``(qkv, residual)``).
 
 The projections are TE's own modules (``NormQKV`` a ``te.Linear``, ``EpilogueLinear`` a ``te.Linear``, ``AddNormMLP``
 a ``te.LayerNormMLP``) with forwards of their own, so that they hold TE's parameters, ``_extra_state`` and FP8
@@ -60,12 +59,10 @@ from torch import nn
 
 try:  # package import (models/*, exported checkpoints)
     from .fp8_mlp import QuantizedMLP, te_imported
-    from .packed_rope import rotate_query_key_and_sum_columns_, rotate_query_key_untracked_
     from .residual_norm import FP8Output, add_layer_norm, add_rms_norm, layer_norm_keep_input, rms_norm_keep_input
     from .te_attention import PackedCuDNNAttention, SplitPackedQKV
 except ImportError:  # flat copy inside a recipe folder
     from fp8_mlp import QuantizedMLP, te_imported
-    from packed_rope import rotate_query_key_and_sum_columns_, rotate_query_key_untracked_
     from residual_norm import FP8Output, add_layer_norm, add_rms_norm, layer_norm_keep_input, rms_norm_keep_input
     from te_attention import PackedCuDNNAttention, SplitPackedQKV
 
@@ -183,36 +180,6 @@ class _Linear(torch.autograd.Function):
         dx, *_ = general_gemm(weight, grad, out_dtype=rows.dtype, layout="NN", grad=True)
         dw, db = _weight_and_bias_grad(rows, grad, bias, *ctx.param_dtypes)
         return dx.view(ctx.input_shape), dw, db
-
-
-class _RotatedBiasedLinear(torch.autograd.Function):
-    """``_Linear`` with a bias for a QKV projection whose output gets the rotary embedding (packed_rope.py): rotated
-    in place after the GEMM, and in backward the gradient rotated back and summed over the tokens (the bias gradient)
-    in one pass, ``rotate_query_key_and_sum_columns_``, where the rotation's backward and the bias gradient's column
-    sum took a pass each. ``positions``, ``cos`` and ``sin`` are the rotary batch, ``layout`` its ``(num_heads,
-    head_dim, num_groups)``."""
-
-    @staticmethod
-    def forward(ctx, x, weight, bias, positions, cos, sin, layout):
-        rows = _rows(x)
-        compute_weight, compute_bias = _compute_copy(weight, x.dtype), _compute_copy(bias, x.dtype)
-        out, *_ = general_gemm(compute_weight, rows, out_dtype=x.dtype, bias=compute_bias)
-        rotate_query_key_untracked_(out, positions, cos, sin, *layout)
-        ctx.save_for_backward(rows, compute_weight, positions, cos, sin)
-        ctx.input_shape, ctx.layout = x.shape, layout
-        ctx.param_dtypes = (weight.dtype, bias.dtype)
-        return out.view(*x.shape[:-1], out.shape[-1])
-
-    @staticmethod
-    def backward(ctx, grad):
-        rows, weight, positions, cos, sin = ctx.saved_tensors
-        weight_dtype, bias_dtype = ctx.param_dtypes
-        # Rotated in place, as packed_rope's own backward does: attention's dQKV buffer, written for this layer alone.
-        grad = _rows(grad).contiguous()
-        bias_grad = rotate_query_key_and_sum_columns_(grad, positions, cos, sin, *ctx.layout, inverse=True)
-        dx, *_ = general_gemm(weight, grad, out_dtype=rows.dtype, layout="NN", grad=True)
-        dw, _ = _weight_and_bias_grad(rows, grad, None, weight_dtype, None)
-        return dx.view(ctx.input_shape), dw, bias_grad.to(bias_dtype), None, None, None, None
 
 
 class _GeluMLP(torch.autograd.Function):
@@ -345,9 +312,7 @@ class NormQKV(_TELinear):
         else:
             self.layer_norm_bias = None
 
-    def forward(self, x: torch.Tensor, pending: torch.Tensor | None = None, rotary=None):
-        """``rotary``: a ``packed_rope.PackedQKVRotary`` whose batch (if set) rotates the output's queries and keys,
-        with a bias and without FP8 by ``_RotatedBiasedLinear`` (the bias gradient summed in the rotation's pass)."""
+    def forward(self, x: torch.Tensor, pending: torch.Tensor | None = None):
         fp8_output = None
         if _fp8_enabled():
             _fp8_recipe_name()
@@ -358,15 +323,9 @@ class NormQKV(_TELinear):
             normed, residual = _norm_keep_input(self, x, fp8_output)
         else:
             normed, residual = _add_norm(self, x, pending, fp8_output)
-        bias = _bias(self)
-        batch = None if rotary is None else rotary.batch
         if _fp8_enabled():
-            qkv = super().forward(normed)
-        elif batch is not None and bias is not None:
-            return _RotatedBiasedLinear.apply(normed, self.weight, bias, *batch, rotary.layout), residual
-        else:
-            qkv = _linear(normed, self.weight, bias)
-        return (qkv if batch is None else rotary.rotate_(qkv)), residual
+            return super().forward(normed), residual
+        return _linear(normed, self.weight, _bias(self)), residual
 
 
 class EpilogueLinear(_TELinear):
@@ -438,14 +397,8 @@ class _SelfAttention(nn.Module):
         )
         linear_kw = {name: value for name, value in kw.items() if name != "normalization"}
         self.proj = EpilogueLinear(num_heads * head_dim, hidden_size, init_method=output_init, **linear_kw)
-        # packed_rope.PackedQKVRotary.attach sets this. Under GQA the rotation then happens in split_qkv's copy, else
-        # in the projection (``NormQKV.forward``'s ``rotary``).
+        # Under GQA, packed_rope.PackedQKVRotary.attach sets this: the rotation then happens in split_qkv's copy.
         self.qkv_rotary = None
-
-    @property
-    def projection_rotary(self):
-        """The rotary that ``layernorm_qkv`` applies itself (without GQA), or None."""
-        return self.qkv_rotary if self.num_groups == self.num_heads else None
 
     def split_qkv(self, qkv: torch.Tensor, sizes: list[int] | None = None) -> list[tuple[torch.Tensor, ...]]:
         """(query [tokens, heads, head_dim], key and value [tokens, groups, head_dim]) for TE's attention, one triple
@@ -643,7 +596,7 @@ class FusedResidualTransformerLayer(nn.Module):
             hidden_states = hidden_states.to(dtype)
             pending_residual = pending_residual.to(dtype) if pending_residual is not None else None
         attention = self.self_attention
-        qkv, residual = attention.layernorm_qkv(hidden_states, pending_residual, attention.projection_rotary)
+        qkv, residual = attention.layernorm_qkv(hidden_states, pending_residual)
         boundaries = {
             "cu_seqlens_q": cu_seqlens_q,
             "cu_seqlens_kv": cu_seqlens_kv if cu_seqlens_kv is not None else cu_seqlens_q,

@@ -109,62 +109,6 @@ def test_backward_behind_a_view_from_a_function_is_the_transposed_rotation(inter
     torch.testing.assert_close(incoming, reference_leaf.grad, rtol=1e-6, atol=1e-6)  # rotated where it lay
 
 
-@pytest.fixture
-def interpreted_sum_kernel(monkeypatch):
-    """The rotate-and-sum kernel for Triton's CPU interpreter, on small tiles: 4 tokens x 32 columns (two heads), 4
-    tiles down the tokens per program, so that a few hundred tokens make several programs each way, the last ones
-    partial."""
-    monkeypatch.setenv("TRITON_INTERPRET", "1")
-    monkeypatch.setattr(packed_rope, "_SUM_KERNEL", None)
-    monkeypatch.setattr(packed_rope, "_SUM_BLOCK_TOKENS", 4)
-    monkeypatch.setattr(packed_rope, "_SUM_BLOCK_COLUMNS", 2 * HEAD_DIM)
-    monkeypatch.setattr(packed_rope, "_SUM_CHUNKS", 4)
-
-
-@pytest.mark.parametrize("inverse", [False, True], ids=["forward", "inverse"])
-@pytest.mark.parametrize("num_groups", [None, 1], ids=["mha", "gqa"])
-def test_rotation_with_column_sums_rotates_as_the_reference_and_sums_what_it_stores(
-    interpreted_sum_kernel, num_groups, inverse
-):
-    """``rotate_query_key_and_sum_columns_``: the buffer ends as the reference rotation leaves it (by the opposite
-    angle with ``inverse``; values untouched), and the sums are its columns' float32 sums over the tokens (a QKV
-    projection's bias gradient, in the backward)."""
-    torch.manual_seed(0)
-    cos, sin = tables()
-    positions = torch.randint(0, 8, (301,))  # 19 programs of 16 tokens down, the last with 13
-    groups = HEADS if num_groups is None else num_groups
-    width = groups * (HEADS // groups + 2) * HEAD_DIM  # 240 or 112 columns: 8 or 4 tiles across, the last partial
-    qkv = torch.randn(len(positions), width)
-    expected = packed_rope.rotate_query_key_reference(
-        qkv, positions, cos, -sin if inverse else sin, HEADS, HEAD_DIM, num_groups
-    )
-    buffer = qkv.clone()
-    sums = packed_rope.rotate_query_key_and_sum_columns_(
-        buffer, positions, cos, sin, HEADS, HEAD_DIM, num_groups, inverse=inverse
-    )
-    torch.testing.assert_close(buffer, expected, rtol=0, atol=0)
-    assert sums.dtype == torch.float32 and sums.shape == (width,)
-    torch.testing.assert_close(sums, expected.sum(0), rtol=1e-5, atol=1e-5)
-
-
-def test_rotation_with_column_sums_in_bf16_sums_the_rounded_values(interpreted_sum_kernel):
-    """In bf16 the sums are of the rotated values as stored (rounded once), in float32, as a float32 column sum of
-    the rotated gradient is; the rotation within one bf16 step of the float32 one (the interpreter's rounding)."""
-    torch.manual_seed(0)
-    cos, sin = tables()
-    positions = torch.randint(0, 8, (70,))
-    qkv = torch.randn(len(positions), 3 * HEADS * HEAD_DIM).to(torch.bfloat16)
-    expected = packed_rope.rotate_query_key_reference(qkv, positions, cos, sin, HEADS, HEAD_DIM)
-    buffer = qkv.clone()
-    sums = packed_rope.rotate_query_key_and_sum_columns_(buffer, positions, cos, sin, HEADS, HEAD_DIM)
-    torch.testing.assert_close(buffer.float(), expected.float(), rtol=2**-7, atol=1e-6)
-    value = qkv.view(-1, HEADS, 3, HEAD_DIM)[:, :, 2]
-    assert torch.equal(buffer.view(-1, HEADS, 3, HEAD_DIM)[:, :, 2], value)
-    torch.testing.assert_close(sums, buffer.sum(0, dtype=torch.float32), rtol=1e-5, atol=1e-5)
-    empty = packed_rope.rotate_query_key_and_sum_columns_(qkv[:0], positions[:0], cos, sin, HEADS, HEAD_DIM)
-    assert torch.equal(empty, torch.zeros(3 * HEADS * HEAD_DIM))
-
-
 def test_bad_buffers_are_refused_with_their_shape(interpreted_kernel):
     cos, sin = tables()
     with pytest.raises(ValueError, match=r"contiguous \[tokens, 3 \* 5 \* 16\] QKV buffer, got \(11, 200\)"):

@@ -23,11 +23,6 @@ back into the grouped layout, rotated by the opposite angle. ``FusedResidualTran
 grouped-query attention (``PackedQKVRotary.attach`` hands its attention the rotary instead of hooking the projection).
 Same values bit for bit as the in-place rotation followed by the copies.
 
-A projection with a bias sums its bias gradient over the tokens of its output's gradient: a pass of its own over
-that gradient after the rotation's. ``rotate_query_key_and_sum_columns_`` does both in one pass (the values are read
-too, not written); ``FusedResidualTransformerLayer``'s projection takes it without GQA (ESM-2), where ``attach``
-hands the layer the rotary as well.
-
 The rotation is the half-split form (channel ``i`` pairs with ``i + head_dim / 2``, ESM-2's and TE's default). Each
 token is rotated by the angles of its position within its own sequence, ``position * inv_freq``, from float32 cos/sin
 tables that torch computes from the same angles the TE path uses; the arithmetic is float32, the result is rounded
@@ -99,90 +94,6 @@ def _kernel():
 
         _KERNEL = triton.jit(rotate_query_key)
     return _KERNEL
-
-
-_SUM_KERNEL = None
-_add = None  # the column sums' combine function, JIT-decorated with the kernel
-
-# The rotate-and-sum kernel works on [_SUM_BLOCK_TOKENS, _SUM_BLOCK_COLUMNS] tiles of the buffer (whole heads: the
-# columns a multiple of head_dim); each program walks _SUM_CHUNKS such tiles down the tokens and leaves one float32
-# partial sum per column (fewer programs down the tokens: fewer partials to add up).
-_SUM_BLOCK_TOKENS = 8
-_SUM_BLOCK_COLUMNS = 256
-_SUM_CHUNKS = 16
-_SUM_WARPS = 8
-
-
-def _sum_kernel():
-    """The kernel of ``rotate_query_key_and_sum_columns_``, JIT-decorated on first use as ``_kernel``. Its sums go
-    through ``tl.reduce`` with a combine function decorated here and its zeros through ``tl.full`` (Triton's
-    interpreter cannot call ``tl.sum`` and ``tl.zeros`` unless it was on when Triton was imported; residual_norm.py
-    does the same)."""
-    global _SUM_KERNEL, _add
-    if _SUM_KERNEL is None:
-
-        def add(a, b):
-            return a + b
-
-        _add = triton.jit(add)
-
-        def rotate_query_key_and_sum_columns(
-            qkv_ptr,
-            positions_ptr,
-            cos_ptr,
-            sin_ptr,
-            partials_ptr,
-            num_tokens,
-            token_stride,
-            row_width,
-            group_width,
-            rotated_width,
-            HALF: tl.constexpr,
-            BLOCK_TOKENS: tl.constexpr,
-            BLOCK_COLUMNS: tl.constexpr,
-            CHUNKS: tl.constexpr,
-            INVERSE: tl.constexpr,
-        ):
-            # Program (i, j): columns [j * BLOCK_COLUMNS, ...) of tokens [i * CHUNKS * BLOCK_TOKENS, ...), a tile of
-            # whole heads at a time, so that both halves of every head it rotates are in its own tile. In each group
-            # of ``group_width`` columns the first ``rotated_width`` (the query heads and the key) are rotated: channel
-            # c of a head pairs with c + HALF, ``y = x * cos + sign * partner * sin`` (sign -1 in the first half, +1 in
-            # the second; the other way round for the inverse), in float32, rounded once and stored in place. The
-            # value columns get cos 1 and sin 0, i.e. stay as they are, and are not stored. Every column's values as
-            # stored are added up in float32 into the program's row of ``partials`` ([token programs, row_width]).
-            token_program = tl.program_id(0)
-            columns = tl.program_id(1) * BLOCK_COLUMNS + tl.arange(0, BLOCK_COLUMNS)
-            column_mask = columns < row_width
-            in_group = columns % group_width
-            rotated = (in_group < rotated_width) & column_mask
-            channel = in_group % (2 * HALF)
-            first_half = channel < HALF
-            partner = tl.where(first_half, columns + HALF, columns - HALF)
-            table_column = tl.where(first_half, channel, channel - HALF)
-            sign = tl.where(first_half, -1.0, 1.0)
-            if INVERSE:  # the backward rotates the gradient by the opposite angle
-                sign = -sign
-            total = tl.full([BLOCK_COLUMNS], 0.0, dtype=tl.float32)
-            for chunk in range(CHUNKS):
-                tokens = (token_program * CHUNKS + chunk) * BLOCK_TOKENS + tl.arange(0, BLOCK_TOKENS)
-                token_mask = tokens < num_tokens
-                rows = tokens.to(tl.int64)[:, None] * token_stride
-                mask = token_mask[:, None] & column_mask[None, :]
-                rotate = token_mask[:, None] & rotated[None, :]
-                x = tl.load(qkv_ptr + rows + columns[None, :], mask=mask, other=0.0)
-                other = tl.load(qkv_ptr + rows + partner[None, :], mask=rotate, other=0.0)
-                position = tl.load(positions_ptr + tokens, mask=token_mask, other=0).to(tl.int64)
-                table = position[:, None] * HALF + table_column[None, :]
-                cos = tl.load(cos_ptr + table, mask=rotate, other=1.0)
-                sin = tl.load(sin_ptr + table, mask=rotate, other=0.0)
-                y = x.to(tl.float32) * cos + sign[None, :] * other.to(tl.float32) * sin
-                y = y.to(qkv_ptr.dtype.element_ty)
-                tl.store(qkv_ptr + rows + columns[None, :], y, mask=rotate)
-                total += tl.reduce(y.to(tl.float32), 0, _add)
-            tl.store(partials_ptr + token_program.to(tl.int64) * row_width + columns, total, mask=column_mask)
-
-        _SUM_KERNEL = triton.jit(rotate_query_key_and_sum_columns)
-    return _SUM_KERNEL
 
 
 _SPLIT_KERNEL = None
@@ -281,11 +192,8 @@ def _check_grouped(qkv, positions, num_heads: int, head_dim: int, num_groups: in
     return groups, per_group
 
 
-def rotate_query_key_untracked_(
-    qkv, positions, cos, sin, num_heads: int, head_dim: int, num_groups: int | None = None, inverse: bool = False
-) -> None:
-    """Rotate ``qkv``'s query and key channels in place (the value channels are not touched), unseen by autograd:
-    for the forward and backward of an autograd Function (by the opposite angle with ``inverse``)."""
+def _rotate_(qkv, positions, cos, sin, num_heads: int, head_dim: int, num_groups: int | None, inverse: bool) -> None:
+    """Rotate ``qkv``'s query and key channels in place (the value channels are not touched)."""
     tokens = qkv.shape[0]
     groups, per_group = _check_grouped(qkv, positions, num_heads, head_dim, num_groups)
     if tokens == 0:
@@ -305,43 +213,6 @@ def rotate_query_key_untracked_(
     )
 
 
-def rotate_query_key_and_sum_columns_(
-    qkv, positions, cos, sin, num_heads: int, head_dim: int, num_groups: int | None = None, inverse: bool = False
-) -> torch.Tensor:
-    """Rotate ``qkv``'s query and key channels in place as ``rotate_query_key_`` does (by the opposite angle with
-    ``inverse``: a gradient's way back), and return the float32 sum over tokens of every column of the result
-    ([groups * (heads / groups + 2) * head_dim]: the rotated query and key channels as stored, the value channels as
-    they are), in one pass over the buffer. Not differentiable: a QKV projection's backward calls it on its output's
-    gradient, whose column sum is the projection's bias gradient (``fused_residual_layer``), so that no second pass
-    over the gradient sums it."""
-    tokens = qkv.shape[0]
-    groups, per_group = _check_grouped(qkv, positions, num_heads, head_dim, num_groups)
-    if tokens == 0:
-        return qkv.new_zeros(qkv.shape[1], dtype=torch.float32)
-    block_columns = max(_SUM_BLOCK_COLUMNS, head_dim)  # whole heads: both powers of two (``supports``)
-    token_programs = triton.cdiv(tokens, _SUM_CHUNKS * _SUM_BLOCK_TOKENS)
-    partials = qkv.new_empty(token_programs, qkv.shape[1], dtype=torch.float32)
-    _sum_kernel()[(token_programs, triton.cdiv(qkv.shape[1], block_columns))](
-        qkv,
-        positions,
-        cos,
-        sin,
-        partials,
-        tokens,
-        qkv.stride(0),
-        qkv.shape[1],
-        (per_group + 2) * head_dim,
-        (per_group + 1) * head_dim,
-        HALF=head_dim // 2,
-        BLOCK_TOKENS=_SUM_BLOCK_TOKENS,
-        BLOCK_COLUMNS=block_columns,
-        CHUNKS=_SUM_CHUNKS,
-        INVERSE=inverse,
-        num_warps=_SUM_WARPS,
-    )
-    return partials.sum(0)
-
-
 class _RotateQueryKeyInPlace(torch.autograd.Function):
     """The rotation written into the projection's own buffer, and in backward into the incoming gradient.
 
@@ -356,7 +227,7 @@ class _RotateQueryKeyInPlace(torch.autograd.Function):
     @staticmethod
     def forward(ctx, qkv, positions, cos, sin, num_heads: int, head_dim: int, num_groups: int | None):
         rotated = qkv.detach()
-        rotate_query_key_untracked_(rotated, positions, cos, sin, num_heads, head_dim, num_groups, inverse=False)
+        _rotate_(rotated, positions, cos, sin, num_heads, head_dim, num_groups, inverse=False)
         ctx.save_for_backward(positions, cos, sin)
         ctx.shape = (num_heads, head_dim, num_groups)
         return rotated
@@ -365,7 +236,7 @@ class _RotateQueryKeyInPlace(torch.autograd.Function):
     def backward(ctx, grad):
         positions, cos, sin = ctx.saved_tensors
         grad = grad.contiguous()  # a copy only if attention's dQKV came strided
-        rotate_query_key_untracked_(grad, positions, cos, sin, *ctx.shape, inverse=True)
+        _rotate_(grad, positions, cos, sin, *ctx.shape, inverse=True)
         return grad, None, None, None, None, None, None
 
 
@@ -518,12 +389,12 @@ class PackedQKVRotary:
         return rotary
 
     def attach(self, layers) -> None:
+        grouped = self.num_groups is not None and self.num_groups < self.num_heads
         for layer in layers:
             attention = layer.self_attention
-            if hasattr(attention, "qkv_rotary"):
-                # A layer that rotates by itself (FusedResidualTransformerLayer): under GQA while it splits the
-                # projection (rotate_and_split, one pass, instead of rotating here and copying there), else inside its
-                # projection, whose backward then also sums its bias gradient in the rotation's pass.
+            if grouped and hasattr(attention, "qkv_rotary"):
+                # A layer that splits the projection itself (FusedResidualTransformerLayer under GQA) rotates while
+                # it splits: rotate_and_split, one pass, instead of rotating here and copying there.
                 attention.qkv_rotary = self
             else:
                 attention.layernorm_qkv.register_forward_hook(self._rotate_projection)
@@ -534,23 +405,6 @@ class PackedQKVRotary:
             return
         angles = freqs.reshape(freqs.shape[0], -1)[:, : self.head_dim // 2].float()
         self._batch = (positions, torch.cos(angles).contiguous(), torch.sin(angles).contiguous())
-
-    @property
-    def batch(self) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None:
-        """``(positions, cos, sin)`` of the batch set, or None."""
-        return self._batch
-
-    @property
-    def layout(self) -> tuple[int, int, int | None]:
-        """``(num_heads, head_dim, num_groups)``, as the rotation functions take them after the tables."""
-        return self.num_heads, self.head_dim, self.num_groups
-
-    def rotate_(self, qkv: torch.Tensor) -> torch.Tensor:
-        """``rotate_query_key_`` of a projection's output with this batch's positions; ``qkv`` itself while no batch
-        is set."""
-        if self._batch is None:
-            return qkv
-        return rotate_query_key_(qkv, *self._batch, *self.layout)
 
     def rotate_and_split(self, qkv: torch.Tensor, sizes=None):
         """``rotate_split_qkv`` (over the token ranges ``sizes``) with this batch's positions; None while no batch is
@@ -565,7 +419,7 @@ class PackedQKVRotary:
         qkv, rest = (output[0], output[1:]) if isinstance(output, tuple) else (output, None)
         if type(qkv) is not torch.Tensor:
             raise TypeError(f"in-place RoPE needs a plain tensor QKV projection, got {type(qkv).__name__}")
-        qkv = self.rotate_(qkv)
+        qkv = rotate_query_key_(qkv, *self._batch, self.num_heads, self.head_dim, self.num_groups)
         return qkv if rest is None else (qkv, *rest)
 
 

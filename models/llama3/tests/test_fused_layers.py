@@ -163,10 +163,9 @@ def test_rotate_split_over_token_ranges_gives_each_range_its_own_tensors_and_the
             packed_rope.rotate_split_qkv(qkv, POSITIONS, cos, sin, heads, head_dim, groups, wrong)
 
 
-def test_fused_layers_take_the_rotary_and_te_layers_keep_the_hook():
-    """``PackedQKVRotary.attach`` hands a layer that rotates by itself (an attention with a ``qkv_rotary`` slot: the
-    fused layer, which under GQA rotates as it splits the projection and otherwise inside its projection) the rotary,
-    with or without GQA, and hooks the projection of any other layer (TE's)."""
+def test_gqa_fused_layers_take_the_split_path_and_others_keep_the_hook():
+    """``PackedQKVRotary.attach`` hands a layer that splits the projection itself (an attention with a
+    ``qkv_rotary`` slot) the rotary under GQA, and hooks the projection otherwise (TE's layers; no GQA)."""
 
     class Attention(torch.nn.Module):
         def __init__(self, with_slot: bool):
@@ -190,9 +189,8 @@ def test_fused_layers_take_the_rotary_and_te_layers_keep_the_hook():
 
     assert attached(2, with_slot=True) == (True, False)
     assert attached(2, with_slot=False) == (False, True)
-    assert attached(None, with_slot=True) == (True, False)
-    assert attached(8, with_slot=True) == (True, False)
-    assert attached(None, with_slot=False) == (False, True)
+    assert attached(None, with_slot=True) == (False, True)
+    assert attached(8, with_slot=True) == (False, True)
     # No batch set (cached decoding): the layer is told to split plainly.
     assert packed_rope.PackedQKVRotary(8, 16, num_groups=2).rotate_and_split(torch.zeros(3, 12 * 16)) is None
 
